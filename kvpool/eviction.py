@@ -1,0 +1,48 @@
+"""Which entries to evict first when the pool needs room.
+
+Eviction is by cost: an entry is worth what it saves (the prefill time its tokens would take to
+recompute) per byte it holds. The cheapest-per-byte entries go first; among equals, the least
+recently used; among those, the oldest id. Entries that are referenced or pinned are never
+candidates: the pool filters them out before asking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Candidate(NamedTuple):
+    """An evictable entry as the policy sees it."""
+
+    entry_id: int
+    stored_bytes: int
+    recompute_cost: float  # seconds of prefill saved, or tokens when no timing is known
+    last_used: int  # a logical clock: larger is more recent
+
+
+def value_per_byte(candidate: Candidate) -> float:
+    """What keeping the entry saves per byte it holds."""
+    return candidate.recompute_cost / max(1, candidate.stored_bytes)
+
+
+def ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Candidates in eviction order: first to evict first."""
+    return sorted(candidates, key=lambda c: (value_per_byte(c), c.last_used, c.entry_id))
+
+
+def eviction_order(candidates: Iterable[Candidate]) -> list[int]:
+    """Entry ids in eviction order."""
+    return [candidate.entry_id for candidate in ranked(candidates)]
+
+
+def victims(candidates: Iterable[Candidate], need_bytes: int) -> list[int] | None:
+    """The shortest prefix of the eviction order that frees `need_bytes`, or None if all of
+    them together cannot."""
+    chosen, freed = [], 0
+    for candidate in ranked(candidates):
+        if freed >= need_bytes:
+            break
+        chosen.append(candidate.entry_id)
+        freed += candidate.stored_bytes
+    return chosen if freed >= need_bytes else None

@@ -1,0 +1,115 @@
+"""The prefix index: which ready entry shares the longest token prefix with a request.
+
+Token sequences are cut into blocks of BLOCK tokens; each full block gets a chained hash (the
+hash of the previous block's hash and this block's tokens), namespaced by engine identity. An
+entry is listed under every block hash of its tokens, so the deepest hash a request shares with
+it bounds the match. A hash is only a hint: every candidate's stored tokens are compared with the
+request, and the match length is the exact common prefix. A hash collision can therefore cost a
+comparison, never return a wrong entry.
+
+Entries shorter than one block are kept in a per-identity list of short entries.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import xxhash
+
+BLOCK = 16
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """The entry sharing the longest prefix with a request, and how many tokens match."""
+
+    entry_id: int
+    tokens: int
+
+
+def block_hashes(identity: str, tokens: np.ndarray, block: int = BLOCK) -> list[int]:
+    """Chained xxh3-64 of each full block of `tokens` (int32), seeded by the identity."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    previous = xxhash.xxh3_64_intdigest(identity.encode())
+    hashes = []
+    for start in range(0, len(tokens) - block + 1, block):
+        hasher = xxhash.xxh3_64(previous.to_bytes(8, "little"))
+        hasher.update(tokens[start:start + block])
+        previous = hasher.intdigest()
+        hashes.append(previous)
+    return hashes
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class PrefixIndex:
+    """Maps (identity, block-hash chain) to entries; answers longest-prefix queries exactly.
+
+    `tokens_of(entry_id)` returns an entry's stored live tokens; the index keeps only hashes.
+    `hasher` computes the block hashes (tests force collisions through it).
+    """
+
+    def __init__(self, tokens_of: Callable[[int], np.ndarray],
+                 hasher: Callable[[str, np.ndarray], list[int]] = block_hashes) -> None:
+        self._tokens_of = tokens_of
+        self._hasher = hasher
+        self._by_hash: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self._short: dict[str, set[int]] = defaultdict(set)
+        self._keys: dict[int, tuple[str, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, entry_id: int, identity: str, tokens: np.ndarray) -> None:
+        """List `entry_id` (holding `tokens` under `identity`)."""
+        self.remove(entry_id)
+        hashes = self._hasher(identity, tokens)
+        self._keys[entry_id] = (identity, hashes)
+        if not hashes:
+            self._short[identity].add(entry_id)
+        for value in hashes:
+            self._by_hash[(identity, value)].add(entry_id)
+
+    def remove(self, entry_id: int) -> None:
+        """Forget `entry_id` (no-op if it is not listed)."""
+        key = self._keys.pop(entry_id, None)
+        if key is None:
+            return
+        identity, hashes = key
+        self._short[identity].discard(entry_id)
+        for value in hashes:
+            holders = self._by_hash.get((identity, value))
+            if holders is not None:
+                holders.discard(entry_id)
+                if not holders:
+                    del self._by_hash[(identity, value)]
+
+    def longest(self, identity: str, tokens: np.ndarray,
+                usable: Callable[[int], bool] = lambda entry_id: True) -> PrefixMatch | None:
+        """The usable entry sharing the longest exact token prefix with `tokens`, or None."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        hashes = self._hasher(identity, tokens)
+        best: PrefixMatch | None = None
+        seen: set[int] = set()
+        for depth in range(len(hashes), -1, -1):
+            # Nothing listed only at a shallower depth can share more than depth blocks + a tail.
+            if best is not None and best.tokens >= (depth + 1) * BLOCK:
+                break
+            holders = self._by_hash.get((identity, hashes[depth - 1]), ()) if depth else self._short.get(identity, ())
+            for entry_id in sorted(set(holders) - seen):
+                seen.add(entry_id)
+                if not usable(entry_id):
+                    continue
+                matched = common_prefix(tokens, self._tokens_of(entry_id))
+                if matched > 0 and (best is None or matched > best.tokens):
+                    best = PrefixMatch(entry_id, matched)
+        return best

@@ -1,0 +1,66 @@
+"""The pool's statistics: counters that only grow, and a snapshot of where the bytes are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import msgspec
+
+
+@dataclass
+class Counters:
+    """Monotonic event counters, updated under the pool's lock."""
+
+    puts: int = 0
+    gets: int = 0
+    shares: int = 0
+    releases: int = 0
+    extends: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    refused: int = 0  # inserts that found no room even after compaction and eviction
+    slack_reclaims: int = 0
+    bytes_reclaimed: int = 0
+    relocations: int = 0
+    bytes_written: int = 0  # copies into the pool (put, or an engine writing a reserved entry)
+    bytes_read: int = 0  # copies out of the pool through read_into (an engine's import)
+    bytes_moved: int = 0  # compaction: slack reclaimed, extents relocated
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class PoolStats(msgspec.Struct, frozen=True):
+    """A snapshot of the pool. `bytes_copied` is every byte any copy moved; sharing adds none."""
+
+    name: str
+    capacity: int  # arena bytes
+    budget_bytes: int
+    bytes_used: int  # what entries take, headers and side records included (checked against the budget)
+    bytes_live: int
+    bytes_slack: int
+    bytes_free: int  # free arena bytes
+    largest_free: int
+    entries: int
+    writing: int
+    referenced: int
+    shared: int  # entries held by more than one reference
+    pinned: int
+    bytes_copied: int
+    puts: int
+    gets: int
+    shares: int
+    releases: int
+    extends: int
+    evictions: int
+    evicted_bytes: int
+    refused: int
+    slack_reclaims: int
+    bytes_reclaimed: int
+    relocations: int
+    bytes_written: int
+    bytes_read: int
+    bytes_moved: int
+    recovered_entries: int
+    recovered_freed_writing: int
+    recovered_dropped: int
