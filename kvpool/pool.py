@@ -115,7 +115,8 @@ class Pool:
                 options = {k: v for k, v in (("headroom", headroom), ("cap", cap)) if v is not None}
                 budget = export_budget(device, arena_size, host_memory_available() + size_bytes, **options)
             header = PoolHeader(FORMAT_VERSION, os.getuid(), name, size_bytes, POOL_HEADER_BYTES, slot_count,
-                                ENTRY_SLOT_BYTES, arena_offset, arena_size, min(budget.bytes, arena_size),
+                                ENTRY_SLOT_BYTES, arena_offset, arena_size,
+                                min(budget.bytes, arena_size + slot_count * ENTRY_SLOT_BYTES),
                                 budget.reason, time.time(), os.getpid())
             pool = cls(segment, header, header_generation=0)
             pool._write_pool_header(header)
@@ -363,6 +364,18 @@ class Pool:
 
     # ----------------------------------------------------------------------------- statistics
 
+    def arena_map(self) -> list[tuple[int, int, str]]:
+        """(offset, length, owner) of every extent of the arena in offset order; owner is
+        "free", "<id>.data" or "<id>.meta". Lengths are as allocated (rounded up to ALIGN)."""
+        with self._lock:
+            rows = [(o, n, "free") for o, n in self._allocator.free_extents()]
+            for record in [*self._entries.values(), *self._writing.values()]:
+                h = record.header
+                rows.append((h.data_offset, align_up(h.data_length), f"{record.id}.data"))
+                rows.append((h.meta_offset, align_up(h.meta_length), f"{record.id}.meta"))
+            return sorted(rows)
+
+
     def stats(self) -> PoolStats:
         """A snapshot of bytes, entries and counters."""
         with self._lock:
@@ -428,6 +441,9 @@ class Pool:
         _, meta_length = meta_layout(len(layout_bytes), capacity)
         stored = align_up(data_length) + align_up(meta_length) + ENTRY_SLOT_BYTES
         budget = self._header.budget_bytes
+        if stored - ENTRY_SLOT_BYTES > self._header.arena_size:
+            raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) cannot fit the pool's "
+                                f"{self._header.arena_size}-byte arena; create a larger pool")
         if stored > budget:
             raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) exceeds the pool's export "
                                 f"budget of {budget} bytes ({self._header.budget_reason}); raise the budget or "

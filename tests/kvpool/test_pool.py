@@ -1,0 +1,240 @@
+import numpy as np
+import pytest
+
+from kvpool import (ArrayTemplate, DataCorrupt, EntryBusy, EntryNotFound, KVArray, LayoutError, Pool, PoolBusy,
+                    PoolError)
+
+
+def heads_kv(tokens, seed=0, heads=2, width=8):
+    rng = np.random.default_rng(seed)
+    return [KVArray(f"{i}.{p}", rng.standard_normal((heads, tokens, width)).astype(np.float32), 1)
+            for i in range(2) for p in "kv"]
+
+
+def test_put_get_round_trip_strided_and_slack(make_pool):
+    pool = make_pool(1 << 20)
+    arrays = heads_kv(13, seed=1)
+    info = pool.put("m", range(13), arrays, capacity=40)
+    assert (info.tokens, info.capacity) == (13, 40)
+    assert info.live_bytes == 4 * 2 * 13 * 8 * 4 and info.slack_bytes == 4 * 2 * 27 * 8 * 4
+    with pool.get(info.id) as view:
+        assert list(view.tokens) == list(range(13))
+        for array in arrays:
+            assert np.array_equal(view.arrays[array.name], array.data)
+        with pytest.raises(ValueError):
+            view.arrays["0.k"][0, 0, 0] = 1.0  # views handed out are read-only
+
+
+def test_read_into_is_one_counted_copy(make_pool):
+    pool = make_pool(1 << 20)
+    arrays = heads_kv(9, seed=2)
+    info = pool.put("m", range(9), arrays)
+    before = pool.stats().bytes_copied
+    targets = {a.name: np.empty_like(a.data) for a in arrays}
+    with pool.get(info.id, verify=False) as view:
+        assert view.read_into(targets) == info.live_bytes
+    assert all(np.array_equal(targets[a.name], a.data) for a in arrays)
+    assert pool.stats().bytes_copied - before == info.live_bytes
+
+
+def test_blob_entries(make_pool):
+    pool = make_pool(1 << 20)
+    blob = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    info = pool.put_blob("llama", range(50), blob.tobytes())
+    assert info.slack_bytes == 0 and info.capacity == 50
+    with pool.get(info.id) as view:
+        assert np.array_equal(view.blob, blob)
+        out = np.empty_like(blob)
+        view.read_blob_into(out)
+        assert np.array_equal(out, blob)
+        with pytest.raises(LayoutError):
+            view.arrays
+    with pytest.raises(LayoutError, match="blob"):
+        pool.extend(info.id, [1])
+
+
+def test_reserve_lets_an_engine_write_in_place(make_pool):
+    pool = make_pool(1 << 20)
+    writer = pool.reserve("m", range(4), [ArrayTemplate("k", "<f4", (2, 0, 3), 1)], capacity=8)
+    assert pool.stats().writing == 1 and pool.lookup("m", range(4)) is None  # invisible until commit
+    writer.arrays["k"][...] = 7.0
+    info = writer.commit()
+    with pool.get(info.id) as view:
+        assert (view.arrays["k"] == 7.0).all() and view.arrays["k"].shape == (2, 4, 3)
+
+
+def test_a_writer_left_without_commit_aborts(make_pool):
+    pool = make_pool(1 << 20)
+    before = pool.stats()
+    with pytest.raises(RuntimeError):
+        with pool.reserve("m", range(4), [ArrayTemplate("k", "<f4", (4, 3), 0)]) as writer:
+            writer.arrays["k"][...] = 1
+            raise RuntimeError("engine failed mid-export")
+    after = pool.stats()
+    assert (after.entries, after.writing, after.bytes_used, after.bytes_free) == (0, 0, 0, before.bytes_free)
+
+
+def test_extend_appends_within_capacity(make_pool):
+    pool = make_pool(1 << 20)
+    first = heads_kv(5, seed=4)
+    info = pool.put("m", range(5), first, capacity=8)
+    more = heads_kv(3, seed=5)
+    writer = pool.extend(info.id, [5, 6, 7])
+    for array in more:
+        writer.arrays[array.name][...] = array.data
+    assert writer.commit().tokens == 8
+    with pool.get(info.id) as view:
+        for a, b in zip(first, more):
+            assert np.array_equal(view.arrays[a.name], np.concatenate([a.data, b.data], axis=1))
+    assert pool.lookup("m", range(10)).tokens == 8
+    with pytest.raises(LayoutError, match="room for 0 more"):
+        pool.extend(info.id, [8])
+    pool.share(info.id)
+    with pytest.raises(EntryBusy, match="immutable"):
+        pool.extend(info.id, [])
+
+
+def test_compaction_returns_slack_and_keeps_data(make_pool):
+    pool = make_pool(1 << 20)
+    arrays = heads_kv(16, seed=6)
+    info = pool.put("m", range(16), arrays, capacity=1024)
+    slack = pool.info(info.id).slack_bytes
+    assert slack == 4 * 2 * 1008 * 8 * 4
+    used = pool.stats().bytes_used
+    reclaimed = pool.compact()
+    assert reclaimed == used - pool.stats().bytes_used and reclaimed >= slack
+    after = pool.info(info.id)
+    assert (after.capacity, after.slack_bytes) == (16, 0)
+    assert pool.stats().bytes_moved == info.live_bytes and pool.stats().slack_reclaims == 1
+    with pool.get(info.id) as view:  # verifies the checksum too
+        assert all(np.array_equal(view.arrays[a.name], a.data) for a in arrays)
+
+
+def test_compaction_skips_pinned_and_small_slack(make_pool):
+    pool = make_pool(1 << 20)
+    big = pool.put("m", range(4), heads_kv(4), capacity=2048)
+    small = pool.put("m", range(4), heads_kv(4), capacity=6)
+    pool.pin(big.id)
+    assert pool.compact() == 0
+    pool.unpin(big.id)
+    assert pool.compact() > 0
+    assert pool.info(small.id).capacity == 6
+
+
+def test_defragmentation_moves_extents_when_free_space_is_split(make_pool):
+    pool = make_pool(8192 + 12288, budget=1 << 20, max_entries=8)
+    blobs = [pool.put_blob("m", [i], np.full(1000, i, np.uint8)) for i in range(7)]
+    # seven entries of 1,024 + 64 bytes: free every other one, leaving holes of 1,088
+    for info in blobs[::2]:
+        pool.release(info.id)
+        pool.evict(info.id)
+    pool.pin(blobs[1].id)
+    largest = pool.stats().largest_free
+    assert largest < 2500 <= pool.stats().bytes_free
+    big = pool.put_blob("m", [99], np.full(2500, 99, np.uint8))
+    assert big is not None
+    assert pool.stats().relocations >= 1 and pool.stats().evictions == 4
+    for info in blobs[1::2]:
+        with pool.get(info.id) as view:
+            assert (view.blob == info.id - 1).all()
+    assert pool.info(blobs[1].id).id == blobs[1].id
+
+
+def test_pinned_entries_are_never_evicted_or_moved(make_pool):
+    pool = make_pool(20480, budget=4000, max_entries=8)
+    a = pool.put_blob("m", [1], np.ones(1000, np.uint8))
+    pool.release(a.id)
+    with pool.get(a.id):
+        with pytest.raises(EntryBusy):
+            pool.evict(a.id)
+        assert pool.put_blob("m", [2], np.ones(2000, np.uint8)) is None
+    assert pool.put_blob("m", [2], np.ones(2000, np.uint8)) is not None
+    assert pool.stats().evictions == 1
+
+
+def test_close_refuses_while_views_are_open(make_pool):
+    pool = make_pool(1 << 20)
+    info = pool.put("m", range(3), heads_kv(3))
+    view = pool.get(info.id)
+    with pytest.raises(PoolBusy, match="pinned"):
+        pool.close()
+    kept = view.arrays["0.k"]
+    view.close()
+    with pytest.raises(PoolBusy, match="still points into the pool"):
+        pool.close()
+    assert kept.shape == (2, 3, 8)  # the pool is still usable after the refusal
+    del kept
+    assert pool.info(info.id).pins == 0
+    pool.close()
+    with pytest.raises(PoolError, match="closed"):
+        pool.info(info.id)
+
+
+def test_corrupt_data_is_detected_on_read(make_pool):
+    pool = make_pool(1 << 20)
+    info = pool.put("m", range(3), heads_kv(3))
+    offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
+    pool._arena[offset + 5] ^= 0xFF  # a flipped bit in shared memory
+    with pytest.raises(DataCorrupt, match="evict"):
+        pool.get(info.id)
+    assert pool.info(info.id).pins == 0  # the failed get left no pin
+    with pool.get(info.id, verify=False) as view:
+        with pytest.raises(DataCorrupt):
+            view.read_into({a.name: np.empty_like(a.data) for a in heads_kv(3)})
+    pool.release(info.id)
+    pool.evict(info.id)
+    assert pool.stats().entries == 0
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda p: p.put("", [1], heads_kv(1)), "identity"),
+    (lambda p: p.put("m", [1], heads_kv(1), tag="x" * 200), "tag"),
+    (lambda p: p.put("m", [[1, 2]], heads_kv(1)), "1-D"),
+    (lambda p: p.put("m", [1.5], heads_kv(1)), "integers"),
+    (lambda p: p.put("m", [2 ** 40], heads_kv(1)), "int32"),
+    (lambda p: p.put("m", [1, 2], heads_kv(1)), "cells but 2 token"),
+    (lambda p: p.put("m", [1, 2], heads_kv(2), capacity=1), "capacity"),
+    (lambda p: p.reserve_blob("m", [1], -1), "blob size"),
+])
+def test_bad_input_is_refused_and_changes_nothing(make_pool, call, error):
+    pool = make_pool(1 << 20)
+    kept = pool.put("m", range(3), heads_kv(3))
+    before = pool.stats()
+    with pytest.raises(LayoutError, match=error):
+        call(pool)
+    assert pool.stats() == before
+    assert pool.info(kept.id).tokens == 3
+
+
+def test_unknown_entries(make_pool):
+    pool = make_pool(1 << 20)
+    for call in (pool.get, pool.share, pool.release, pool.evict, pool.info, pool.pin):
+        with pytest.raises(EntryNotFound, match="no ready entry 42"):
+            call(42)
+
+
+def test_acquire_prefix_shares_atomically(make_pool):
+    pool = make_pool(1 << 20)
+    info = pool.put("m", range(40), heads_kv(40))
+    pool.release(info.id)
+    match = pool.acquire_prefix("m", list(range(20)) + [999])
+    assert (match.entry_id, match.tokens) == (info.id, 20)
+    assert pool.info(info.id).refcount == 1
+    assert pool.acquire_prefix("other-model", range(20)) is None
+
+
+def test_find_by_tag_and_reattach(make_pool):
+    pool = make_pool(1 << 20)
+    info = pool.put("m", range(5), heads_kv(5), tag="session:abc")
+    pool.put("m", range(5), heads_kv(5), tag="session:def")
+    name = pool.name
+    pool.close()
+    again = Pool.attach(name)
+    try:
+        assert [e.id for e in again.find("session:abc")] == [info.id]
+        assert again.recovery.entries == 2
+        assert again.info(info.id).refcount == 0  # references are not durable
+        newer = again.put("m", range(2), heads_kv(2))
+        assert newer.id > info.id + 1  # ids are not reused after a re-attach
+    finally:
+        again.close()
