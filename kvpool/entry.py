@@ -2,7 +2,7 @@
 
 An entry's durable part is its header in the segment; everything in :class:`EntryRecord` beyond
 the header (reference count, pins, last use) is derived and rebuilt on attach. Handles talk to the
-pool only through its small private protocol (`_commit`, `_abort`, `_unpin`, `_count_read`).
+pool only through its small private protocol (`_commit`, `_abort`, `_close_view`, `_count_read`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class EntryInfo(msgspec.Struct, frozen=True):
     live_bytes: int
     slack_bytes: int
     refcount: int
-    pins: int
+    pins: int  # explicit pins plus open views
     tag: str
     recompute_cost: float
 
@@ -56,7 +56,8 @@ class EntryRecord:
     header: EntryHeader
     layout: Layout
     refcount: int = 0
-    pins: int = 0
+    pins: int = 0  # explicit pin() calls
+    views: int = 0  # open EntryViews (they pin too)
     last_used: int = 0
     extending: bool = False  # a Writer is appending cells
     pending_cost: float = 0.0  # the recompute cost the entry will have once they are committed
@@ -82,7 +83,7 @@ class EntryRecord:
     def info(self) -> EntryInfo:
         h = self.header
         return EntryInfo(h.serial, h.identity, h.live, h.capacity, self.stored_bytes, self.live_bytes,
-                         self.slack_bytes, self.refcount, self.pins, h.tag, h.recompute_cost)
+                         self.slack_bytes, self.refcount, self.pins + self.views, h.tag, h.recompute_cost)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -164,7 +165,7 @@ class EntryView:
         if not self._closed:
             self._closed = True
             self._data = self.tokens = None
-            self._pool._unpin(self._record)
+            self._pool._close_view(self._record)
 
     def __enter__(self) -> "EntryView":
         return self

@@ -147,10 +147,10 @@ class Pool:
         with self._lock:
             if self._closed:
                 return
-            pinned = [r.id for r in self._entries.values() if r.pins]
-            if pinned or self._writing:
-                raise PoolBusy(f"pool {self.name!r}: entries {pinned} are pinned or viewed and "
-                               f"{len(self._writing)} writers are open; close those views and writers first")
+            viewed = [r.id for r in self._entries.values() if r.views]
+            if viewed or self._writing:
+                raise PoolBusy(f"pool {self.name!r}: entries {viewed} have open views and {len(self._writing)} "
+                               "writers are open; close those views and writers first")
             self._arena = self._slots = None  # our own views must go before the mapping can
             try:
                 self._segment.close()
@@ -265,7 +265,7 @@ class Pool:
         live bytes are checked against their checksum first (DataCorrupt if they fail)."""
         with self._lock:
             record = self._record(entry_id)
-            record.pins += 1
+            record.views += 1
             record.last_used = next(self._clock)
             self._counters.gets += 1
             header = record.header
@@ -326,9 +326,9 @@ class Pool:
         """Remove an entry no one references or pins (EntryBusy otherwise)."""
         with self._lock:
             record = self._record(entry_id)
-            if record.refcount or record.pins or record.extending:
-                raise EntryBusy(f"entry {entry_id} has {record.refcount} references and {record.pins} pins; "
-                                "release and unpin it before evicting")
+            if record.refcount or not self._movable(record):
+                raise EntryBusy(f"entry {entry_id} has {record.refcount} references, {record.pins} pins and "
+                                f"{record.views} open views; release, unpin and close them before evicting")
             self._evict(record)
 
     def lookup(self, identity: str, tokens) -> PrefixMatch | None:
@@ -387,7 +387,7 @@ class Pool:
                 bytes_slack=sum(r.slack_bytes for r in records), bytes_free=self._allocator.free_bytes,
                 largest_free=self._allocator.largest_free, entries=len(records), writing=len(self._writing),
                 referenced=sum(1 for r in records if r.refcount), shared=sum(1 for r in records if r.refcount > 1),
-                pinned=sum(1 for r in records if r.pins),
+                pinned=sum(1 for r in records if r.pins or r.views),
                 bytes_copied=c.bytes_written + c.bytes_read + c.bytes_moved,
                 recovered_entries=self._report.entries, recovered_freed_writing=self._report.freed_writing,
                 recovered_dropped=self._report.dropped, **c.as_dict())
@@ -410,7 +410,7 @@ class Pool:
         return self._arena[start:start + TOKEN_DTYPE.itemsize * header.live].view(TOKEN_DTYPE)
 
     def _movable(self, record: EntryRecord) -> bool:
-        return not record.pins and not record.extending
+        return not record.pins and not record.views and not record.extending
 
     def _write_pool_header(self, header: PoolHeader) -> None:
         self._header_generation += 1
@@ -537,6 +537,10 @@ class Pool:
             if record.pins == 0:
                 raise PoolError(f"entry {record.id} is not pinned")
             record.pins -= 1
+
+    def _close_view(self, record: EntryRecord) -> None:
+        with self._lock:
+            record.views -= 1
 
     def _count_read(self, nbytes: int) -> None:
         with self._lock:

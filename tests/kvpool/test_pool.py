@@ -156,7 +156,7 @@ def test_close_refuses_while_views_are_open(make_pool):
     pool = make_pool(1 << 20)
     info = pool.put("m", range(3), heads_kv(3))
     view = pool.get(info.id)
-    with pytest.raises(PoolBusy, match="pinned"):
+    with pytest.raises(PoolBusy, match="open views"):
         pool.close()
     kept = view.arrays["0.k"]
     view.close()
