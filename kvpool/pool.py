@@ -1,12 +1,11 @@
 """The pool: one shared-memory segment of entries that many holders share without copies.
 
-    segment:  | pool header (A/B) | entry slots (A/B each) ... | arena: extents of data and side records |
-
 An entry is written once (`put`, or `reserve` + fill + `commit`), then shared by reference count
 (`share` / `release`), read through pinned zero-copy views (`get`), and evicted by cost when the
 export budget needs room. Entries held by no one stay cached for the prefix index until evicted.
 A crash loses only entries being written: the segment and every ready header survive, and
-`Pool.attach` rebuilds the rest (free lists, counts, the index) from them.
+`Pool.attach` rebuilds the rest (free lists, counts, the index) from them. Where the bytes are,
+and how they move crash-safely, is the Store's business (store.py); what to keep is the pool's.
 
 Thread safety: one lock guards the metadata. Bulk copies into a reserved entry happen outside it
 (the entry is invisible until committed); copies that move a ready entry happen inside it.
@@ -14,31 +13,28 @@ Thread safety: one lock guards the metadata. Bulk copies into a reserved entry h
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
 from kvpool import checksum, compaction, eviction, layout as layouts
-from kvpool.allocator import ALIGN, Allocator, align_up
+from kvpool.allocator import ALIGN, align_up
 from kvpool.budget import Budget, Device, export_budget, host_memory_available
 from kvpool.entry import TOKEN_DTYPE, EntryInfo, EntryRecord, EntryView, Writer, meta_layout
-from kvpool.errors import (EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolCorrupt,
-                           PoolError, PoolFormatError)
-from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, POOL_HEADER_HALF, EntryHeader,
-                           EntryState, PoolHeader, SlotWriter, decode_pool_header, payload_version, read_slot)
+from kvpool.errors import EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
+from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, PoolHeader
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
 from kvpool.prefix import PrefixIndex, PrefixMatch
-from kvpool.recovery import RecoveryReport, scan_slots
+from kvpool.recovery import RecoveryReport
 from kvpool.segment import PAGE, Segment
 from kvpool.stats import Counters, PoolStats
+from kvpool.store import POOL_HEADER_BYTES, Store, read_pool_header
 
-POOL_HEADER_BYTES = 2 * POOL_HEADER_HALF
 SLACK_RATIO = 0.25  # reclaim an entry's slack once it is a quarter of what the entry reserves
 SLACK_MIN_BYTES = 64 << 10
 
@@ -66,27 +62,18 @@ def _text(name: str, value: str, allow_empty: bool) -> str:
 class Pool:
     """A shared-memory KV pool. Create one with :meth:`create`, re-attach with :meth:`attach`."""
 
-    def __init__(self, segment: Segment, header: PoolHeader, header_generation: int,
-                 report: RecoveryReport = RecoveryReport()) -> None:
+    def __init__(self, store: Store) -> None:
         """Internal: use Pool.create or Pool.attach."""
-        self._segment = segment
-        self._header = header
+        self._store = store
         self._lock = threading.RLock()
-        self._slot_writer = SlotWriter()
-        self._arena = segment.view(header.arena_offset, header.arena_size)
-        self._slots = segment.view(header.slot_table_offset, header.slot_count * header.slot_size)
-        self._slot_generation = [0] * header.slot_count
-        self._free_slots = list(range(header.slot_count))
         self._entries: dict[int, EntryRecord] = {}
         self._writing: dict[int, EntryRecord] = {}
-        self._allocator = Allocator(header.arena_size)
-        self._prefix = PrefixIndex(self._live_tokens)
+        self._prefix = PrefixIndex(lambda entry_id: self._store.tokens(self._entries[entry_id].header))
         self._clock = itertools.count(1)
         self._next_serial = 1
         self._bytes_used = 0
         self._counters = Counters()
-        self._report = report
-        self._header_generation = header_generation
+        self._report = RecoveryReport()
         self._closed = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -118,8 +105,9 @@ class Pool:
                                 ENTRY_SLOT_BYTES, arena_offset, arena_size,
                                 min(budget.bytes, arena_size + slot_count * ENTRY_SLOT_BYTES),
                                 budget.reason, time.time(), os.getpid())
-            pool = cls(segment, header, header_generation=0)
-            pool._write_pool_header(header)
+            store = Store(segment, header)
+            store.write_pool_header(header)
+            pool = cls(store)
         except BaseException:
             segment.close()
             segment.unlink()
@@ -132,10 +120,11 @@ class Pool:
         ready entries are kept, entries caught writing are freed, bad headers are dropped."""
         segment = Segment.open(name)
         try:
-            header, generation = _read_pool_header(segment, name)
-            pool = cls(segment, header, generation)
+            header, generation = read_pool_header(segment, name)
+            store = Store(segment, header, generation)
+            pool = cls(store)
             pool._recover()
-            pool._write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid()))
+            store.write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid()))
         except BaseException:
             segment.close()
             raise
@@ -151,20 +140,13 @@ class Pool:
             if viewed or self._writing:
                 raise PoolBusy(f"pool {self.name!r}: entries {viewed} have open views and {len(self._writing)} "
                                "writers are open; close those views and writers first")
-            self._arena = self._slots = None  # our own views must go before the mapping can
-            try:
-                self._segment.close()
-            except PoolBusy:
-                self._arena = self._segment.view(self._header.arena_offset, self._header.arena_size)
-                self._slots = self._segment.view(self._header.slot_table_offset,
-                                                 self._header.slot_count * self._header.slot_size)
-                raise
+            self._store.close()
             self._closed = True
 
     def unlink(self) -> None:
         """Remove the segment's name so no one can attach it again (its memory goes with the last
         mapping). Call after close() to destroy a pool."""
-        self._segment.unlink()
+        self._store.segment.unlink()
 
     def __enter__(self) -> "Pool":
         return self
@@ -175,12 +157,12 @@ class Pool:
     @property
     def name(self) -> str:
         """The pool's name."""
-        return self._header.name
+        return self._store.header.name
 
     @property
     def header(self) -> PoolHeader:
         """The pool header: geometry, owner and export budget."""
-        return self._header
+        return self._store.header
 
     @property
     def recovery(self) -> RecoveryReport:
@@ -252,11 +234,8 @@ class Pool:
                                   f"not {len(tokens)}; put a new entry with a larger capacity")
             record.extending = True
             record.pending_cost = header.recompute_cost + len(tokens) if recompute_cost is None else recompute_cost
-            tokens_at, _ = meta_layout(header.layout_length, header.capacity)
-            start = header.meta_offset + tokens_at + TOKEN_DTYPE.itemsize * header.live
-            self._arena[start:start + tokens.nbytes] = tokens.view(np.uint8)
-            data = self._arena[header.data_offset:header.data_offset + header.data_length]
-            return Writer(self, record, data, header.live, header.live + len(tokens))
+            self._store.write_tokens(header, header.live, tokens)
+            return Writer(self, record, self._store.data(header), header.live, header.live + len(tokens))
 
     # ----------------------------------------------------------------------------- reading and sharing
 
@@ -268,9 +247,7 @@ class Pool:
             record.views += 1
             record.last_used = next(self._clock)
             self._counters.gets += 1
-            header = record.header
-            data = self._arena[header.data_offset:header.data_offset + header.data_length]
-            view = EntryView(self, record, data, self._live_tokens(entry_id))
+            view = EntryView(self, record, self._store.data(record.header), self._store.tokens(record.header))
         if verify:
             try:
                 view.verify()
@@ -368,13 +345,7 @@ class Pool:
         """(offset, length, owner) of every extent of the arena in offset order; owner is
         "free", "<id>.data" or "<id>.meta". Lengths are as allocated (rounded up to ALIGN)."""
         with self._lock:
-            rows = [(o, n, "free") for o, n in self._allocator.free_extents()]
-            for record in [*self._entries.values(), *self._writing.values()]:
-                h = record.header
-                rows.append((h.data_offset, align_up(h.data_length), f"{record.id}.data"))
-                rows.append((h.meta_offset, align_up(h.meta_length), f"{record.id}.meta"))
-            return sorted(rows)
-
+            return self._store.arena_map([*self._entries.values(), *self._writing.values()])
 
     def stats(self) -> PoolStats:
         """A snapshot of bytes, entries and counters."""
@@ -382,10 +353,10 @@ class Pool:
             records = list(self._entries.values())
             c = self._counters
             return PoolStats(
-                name=self.name, capacity=self._header.arena_size, budget_bytes=self._header.budget_bytes,
+                name=self.name, capacity=self._store.header.arena_size, budget_bytes=self._store.header.budget_bytes,
                 bytes_used=self._bytes_used, bytes_live=sum(r.live_bytes for r in records),
-                bytes_slack=sum(r.slack_bytes for r in records), bytes_free=self._allocator.free_bytes,
-                largest_free=self._allocator.largest_free, entries=len(records), writing=len(self._writing),
+                bytes_slack=sum(r.slack_bytes for r in records), bytes_free=self._store.allocator.free_bytes,
+                largest_free=self._store.allocator.largest_free, entries=len(records), writing=len(self._writing),
                 referenced=sum(1 for r in records if r.refcount), shared=sum(1 for r in records if r.refcount > 1),
                 pinned=sum(1 for r in records if r.pins or r.views),
                 bytes_copied=c.bytes_written + c.bytes_read + c.bytes_moved,
@@ -402,36 +373,8 @@ class Pool:
         except KeyError:
             raise EntryNotFound(f"no ready entry {entry_id} in pool {self.name!r}") from None
 
-    def _live_tokens(self, entry_id: int) -> np.ndarray:
-        record = self._entries.get(entry_id) or self._writing[entry_id]
-        header = record.header
-        tokens_at, _ = meta_layout(header.layout_length, header.capacity)
-        start = header.meta_offset + tokens_at
-        return self._arena[start:start + TOKEN_DTYPE.itemsize * header.live].view(TOKEN_DTYPE)
-
     def _movable(self, record: EntryRecord) -> bool:
         return not record.pins and not record.views and not record.extending
-
-    def _write_pool_header(self, header: PoolHeader) -> None:
-        self._header_generation += 1
-        self._slot_writer.write(self._segment.view(0, POOL_HEADER_BYTES), header, self._header_generation)
-        self._header = header
-
-    def _write_entry_header(self, slot: int, header: EntryHeader) -> None:
-        self._slot_generation[slot] += 1
-        view = self._slots[slot * ENTRY_SLOT_BYTES:(slot + 1) * ENTRY_SLOT_BYTES]
-        self._slot_writer.write(view, header, self._slot_generation[slot])
-
-    def _clear_slot(self, slot: int) -> None:
-        self._write_entry_header(slot, EntryHeader(FORMAT_VERSION, EntryState.FREE, 0))
-        heapq.heappush(self._free_slots, slot)
-
-    def _write_meta(self, offset: int, layout_bytes: bytes, tokens: np.ndarray, capacity: int) -> tuple[int, int]:
-        tokens_at, length = meta_layout(len(layout_bytes), capacity)
-        meta = self._arena[offset:offset + length]
-        meta[:len(layout_bytes)] = np.frombuffer(layout_bytes, dtype=np.uint8)
-        meta[tokens_at:tokens_at + tokens.nbytes] = tokens.view(np.uint8)
-        return checksum.digest([meta[:len(layout_bytes)]]), checksum.digest([meta[tokens_at:tokens_at + tokens.nbytes]])
 
     def _reserve(self, identity: str, tokens: np.ndarray, layout: Layout, data_length: int, capacity: int,
                  tag: str, recompute_cost: float | None) -> Writer | None:
@@ -440,13 +383,13 @@ class Pool:
         layout_bytes = layouts.encode_layout(layout)
         _, meta_length = meta_layout(len(layout_bytes), capacity)
         stored = align_up(data_length) + align_up(meta_length) + ENTRY_SLOT_BYTES
-        budget = self._header.budget_bytes
-        if stored - ENTRY_SLOT_BYTES > self._header.arena_size:
+        budget = self._store.header.budget_bytes
+        if stored - ENTRY_SLOT_BYTES > self._store.header.arena_size:
             raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) cannot fit the pool's "
-                                f"{self._header.arena_size}-byte arena; create a larger pool")
+                                f"{self._store.header.arena_size}-byte arena; create a larger pool")
         if stored > budget:
             raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) exceeds the pool's export "
-                                f"budget of {budget} bytes ({self._header.budget_reason}); raise the budget or "
+                                f"budget of {budget} bytes ({self._store.header.budget_reason}); raise the budget or "
                                 "store fewer tokens")
         with self._lock:
             if self._closed:
@@ -456,31 +399,27 @@ class Pool:
                 self._counters.refused += 1
                 return None
             slot, data_offset, meta_offset = placed
-            layout_check, tokens_check = self._write_meta(meta_offset, layout_bytes, tokens, capacity)
+            layout_check, tokens_check = self._store.write_meta(meta_offset, layout_bytes, tokens, capacity)
             header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, self._next_serial, identity, len(tokens),
                                  capacity, data_offset, data_length, meta_offset, meta_length, len(layout_bytes),
                                  layout_check, tokens_check, 0,
                                  float(len(tokens) if recompute_cost is None else recompute_cost), tag, time.time())
             self._next_serial += 1
             record = EntryRecord(slot, header, layout)
-            self._write_entry_header(slot, header)
+            self._store.write_entry(record)
             self._writing[header.serial] = record
             self._bytes_used += record.stored_bytes
-            data = self._arena[data_offset:data_offset + data_length]
-        return Writer(self, record, data, 0, len(tokens))
+        return Writer(self, record, self._store.data(header), 0, len(tokens))
 
     def _make_room(self, stored: int, data_length: int, meta_length: int) -> tuple[int, int, int] | None:
         """(slot, data offset, meta offset) for a new entry, reclaiming slack, defragmenting and
         evicting by cost as needed; None when nothing more can be freed."""
         victims: list[int] | None = None
         while True:
-            if self._bytes_used + stored <= self._header.budget_bytes and self._free_slots:
-                data_offset = self._allocate(data_length)
-                if data_offset is not None:
-                    meta_offset = self._allocate(meta_length)
-                    if meta_offset is not None:
-                        return heapq.heappop(self._free_slots), data_offset, meta_offset
-                    self._allocator.free(data_offset, data_length)
+            if self._bytes_used + stored <= self._store.header.budget_bytes:
+                placed = self._place(data_length, meta_length)
+                if placed is not None:
+                    return placed
             if victims is None:  # first shortfall: giving back slack keeps every entry
                 if self.compact() > 0:
                     continue
@@ -492,19 +431,29 @@ class Pool:
                 return None
             self._evict(self._entries[victims.pop()])
 
-    def _allocate(self, length: int) -> int | None:
-        offset = self._allocator.allocate(length)
-        if offset is None and self._allocator.free_bytes >= align_up(length) and self._defragment(align_up(length)):
-            offset = self._allocator.allocate(length)
-        return offset
+    def _place(self, data_length: int, meta_length: int) -> tuple[int, int, int] | None:
+        """A slot and both extents, defragmenting if the free space is there but split; or None."""
+        allocator = self._store.allocator
+        offsets = []
+        for length in (data_length, meta_length):
+            offset = allocator.allocate(length)
+            if offset is None and allocator.free_bytes >= align_up(length) and self._defragment(align_up(length)):
+                offset = allocator.allocate(length)
+            if offset is None:
+                break
+            offsets.append((offset, length))
+        slot = self._store.take_slot() if len(offsets) == 2 else None
+        if slot is None:
+            for offset, length in offsets:
+                allocator.free(offset, length)
+            return None
+        return slot, offsets[0][0], offsets[1][0]
 
     def _commit(self, record: EntryRecord, live: int, data_checksum: int) -> EntryInfo:
         with self._lock:
             header = record.header
             if record.extending:  # appended cells: the old header stays valid until this one is whole
-                tokens_at, _ = meta_layout(header.layout_length, header.capacity)
-                start = header.meta_offset + tokens_at
-                tokens_check = checksum.digest([self._arena[start:start + TOKEN_DTYPE.itemsize * live]])
+                tokens_check = checksum.digest([self._store.tokens(header, live)])
                 written = layouts.live_nbytes(record.layout, live) - record.live_bytes
                 record.header = msgspec.structs.replace(header, live=live, tokens_checksum=tokens_check,
                                                         data_checksum=data_checksum,
@@ -518,10 +467,10 @@ class Pool:
                 record.refcount = 1
                 written = record.live_bytes
                 self._counters.puts += 1
-            self._write_entry_header(record.slot, record.header)
+            self._store.write_entry(record)
             record.last_used = next(self._clock)
             self._counters.bytes_written += written
-            self._prefix.add(record.id, header.identity, self._live_tokens(record.id))
+            self._prefix.add(record.id, header.identity, self._store.tokens(record.header))
             return record.info()
 
     def _abort(self, record: EntryRecord) -> None:
@@ -530,7 +479,7 @@ class Pool:
                 record.extending = False
                 return
             del self._writing[record.id]
-            self._release_storage(record)
+            self._release(record)
 
     def _unpin(self, record: EntryRecord) -> None:
         with self._lock:
@@ -551,137 +500,37 @@ class Pool:
         self._prefix.remove(record.id)
         self._counters.evictions += 1
         self._counters.evicted_bytes += record.stored_bytes
-        self._release_storage(record)
+        self._release(record)
 
-    def _release_storage(self, record: EntryRecord) -> None:
-        # The free header goes first: only then may the extents be handed out again.
-        self._clear_slot(record.slot)
-        self._allocator.free(record.header.data_offset, record.header.data_length)
-        self._allocator.free(record.header.meta_offset, record.header.meta_length)
+    def _release(self, record: EntryRecord) -> None:
+        self._store.release(record)
         self._bytes_used -= record.stored_bytes
-
-    def _relocate(self, record: EntryRecord, capacity: int, allocate: Callable[[int], int | None]) -> bool:
-        """Rewrite an entry's live cells and side record into new extents at `capacity` (a copy
-        that verifies the checksum on the way), then switch the header and free the old extents."""
-        old = record.header
-        if isinstance(record.layout, ArrayLayout):
-            layout, data_length = layouts.plan(layouts.templates_of(record.layout), capacity)
-        else:
-            layout, data_length = record.layout, old.data_length
-        layout_bytes = layouts.encode_layout(layout)
-        _, meta_length = meta_layout(len(layout_bytes), capacity)
-        data_offset = allocate(data_length)
-        meta_offset = allocate(meta_length) if data_offset is not None else None
-        if meta_offset is None:
-            if data_offset is not None:
-                self._allocator.free(data_offset, data_length)
-            return False
-        source = self._arena[old.data_offset:old.data_offset + old.data_length]
-        target = self._arena[data_offset:data_offset + data_length]
-        hasher, moved = checksum.new_hasher(), 0
-        for dst, src in zip(layouts.all_live_runs(target, layout, old.live),
-                            layouts.all_live_runs(source, record.layout, old.live)):
-            moved += checksum.copy_hashing(dst, src, hasher)
-        if hasher.intdigest() != old.data_checksum:
-            self._allocator.free(data_offset, data_length)
-            self._allocator.free(meta_offset, meta_length)
-            raise PoolError(f"entry {record.id} fails its checksum while being moved; evict it")
-        layout_check, _ = self._write_meta(meta_offset, layout_bytes, self._live_tokens(record.id), capacity)
-        before = record.stored_bytes
-        record.header = msgspec.structs.replace(old, capacity=capacity, data_offset=data_offset,
-                                                data_length=data_length, meta_offset=meta_offset,
-                                                meta_length=meta_length, layout_length=len(layout_bytes),
-                                                layout_checksum=layout_check)
-        record.layout = layout
-        self._write_entry_header(record.slot, record.header)
-        self._allocator.free(old.data_offset, old.data_length)
-        self._allocator.free(old.meta_offset, old.meta_length)
-        self._bytes_used += record.stored_bytes - before
-        self._counters.bytes_moved += moved
-        return True
 
     def _reclaim_slack(self, record: EntryRecord) -> int:
         before = record.stored_bytes
-        if not self._relocate(record, record.header.live, self._allocator.allocate):
+        moved = self._store.relocate(record, record.header.live)
+        if moved is None:
             return 0
+        self._bytes_used += record.stored_bytes - before
+        self._counters.bytes_moved += moved
         self._counters.slack_reclaims += 1
         self._counters.bytes_reclaimed += before - record.stored_bytes
         return before - record.stored_bytes
 
     def _defragment(self, need: int) -> bool:
-        placed = []
-        for record in [*self._entries.values(), *self._writing.values()]:
-            movable = record.id in self._entries and self._movable(record)
-            h = record.header
-            placed.append(compaction.Placed(record.id, h.data_offset, align_up(h.data_length), movable))
-            placed.append(compaction.Placed(record.id, h.meta_offset, align_up(h.meta_length), movable))
-        for window in compaction.windows(placed, self._header.arena_size, need):
-            # Hold the window's free runs so the moved entries land outside it.
-            end = window.start + need
-            held = [(max(o, window.start), min(o + n, end) - max(o, window.start))
-                    for o, n in self._allocator.free_extents() if o < end and o + n > window.start]
-            for offset, length in held:
-                self._allocator.take(offset, length)
-            moved = 0
-            for entry_id in dict.fromkeys(window.keys):  # an entry's two extents may share a window
-                record = self._entries[entry_id]
-                if not self._relocate(record, record.header.capacity, self._allocator.allocate):
-                    break
-                moved += 1
-            for offset, length in held:
-                self._allocator.free(offset, length)
-            self._counters.relocations += moved
-            if moved == len(dict.fromkeys(window.keys)):
-                return True
-        return False
+        movable = [r for r in self._entries.values() if self._movable(r)]
+        fixed = [r for r in self._entries.values() if not self._movable(r)] + list(self._writing.values())
+        done, entries, moved = self._store.defragment(need, movable, fixed)
+        self._counters.relocations += entries
+        self._counters.bytes_moved += moved
+        return done
 
     def _recover(self) -> None:
-        scan = scan_slots(self._slots, self._header.slot_count, self._header.slot_size, self._arena)
-        self._slot_generation = scan.generations
-        used = []
+        scan = self._store.recover()
         for found in scan.entries:
-            record = EntryRecord(found.slot, found.header, found.layout)
+            record = EntryRecord(found.slot, found.header, found.layout, last_used=next(self._clock))
             self._entries[record.id] = record
-            used += [(found.header.data_offset, found.header.data_length),
-                     (found.header.meta_offset, found.header.meta_length)]
             self._bytes_used += record.stored_bytes
             self._next_serial = max(self._next_serial, record.id + 1)
-        self._allocator = Allocator(self._header.arena_size, used)
-        taken = {found.slot for found in scan.entries}
-        self._free_slots = [s for s in range(self._header.slot_count) if s not in taken]
-        for slot in scan.to_clear:
-            self._write_entry_header(slot, EntryHeader(FORMAT_VERSION, EntryState.FREE, 0))
-        for record in self._entries.values():
-            record.last_used = next(self._clock)
-            self._prefix.add(record.id, record.header.identity, self._live_tokens(record.id))
+            self._prefix.add(record.id, record.header.identity, self._store.tokens(record.header))
         self._report = scan.report
-
-
-def _read_pool_header(segment: Segment, name: str) -> tuple[PoolHeader, int]:
-    """The pool header and its generation, after checking version, owner and geometry."""
-    if segment.size < POOL_HEADER_BYTES:
-        raise PoolFormatError(f"segment {name!r} is {segment.size} bytes: too small to be a pool")
-    found = read_slot(segment.view(0, POOL_HEADER_BYTES))
-    if found is None:
-        raise PoolCorrupt(f"pool {name!r}: both copies of the pool header are unreadable; the segment cannot be "
-                          f"recovered, remove it with `python -m kvpool rm {name}`")
-    generation, payload = found
-    version = payload_version(payload)
-    if version != FORMAT_VERSION:
-        raise PoolFormatError(f"pool {name!r} has format version {version}; this kvpool reads version "
-                              f"{FORMAT_VERSION}. Use the release that wrote it, or remove it with "
-                              f"`python -m kvpool rm {name}`")
-    header = decode_pool_header(payload)
-    if header is None:
-        raise PoolCorrupt(f"pool {name!r}: the pool header does not decode; remove it with `python -m kvpool rm {name}`")
-    if header.uid != os.getuid():
-        raise PoolFormatError(f"pool {name!r} was created by uid {header.uid}, not this user ({os.getuid()})")
-    table_end = header.slot_table_offset + header.slot_count * header.slot_size
-    if (header.size != segment.size or header.name != name or header.slot_size != ENTRY_SLOT_BYTES
-            or header.slot_table_offset < POOL_HEADER_BYTES or table_end > header.arena_offset
-            or header.arena_offset % PAGE or header.arena_size % ALIGN or header.arena_size <= 0
-            or header.arena_offset + header.arena_size > segment.size or header.budget_bytes < 0):
-        raise PoolCorrupt(f"pool {name!r}: the pool header's geometry does not match the segment; remove it with "
-                          f"`python -m kvpool rm {name}`")
-    return header, generation
-

@@ -174,7 +174,7 @@ def test_corrupt_data_is_detected_on_read(make_pool):
     pool = make_pool(1 << 20)
     info = pool.put("m", range(3), heads_kv(3))
     offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
-    pool._arena[offset + 5] ^= 0xFF  # a flipped bit in shared memory
+    pool._store.arena[offset + 5] ^= 0xFF  # a flipped bit in shared memory
     with pytest.raises(DataCorrupt, match="evict"):
         pool.get(info.id)
     assert pool.info(info.id).pins == 0  # the failed get left no pin

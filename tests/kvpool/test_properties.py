@@ -9,7 +9,7 @@ pinned. Reads check every byte against the model.
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool import Budget, EntryBusy, EntryTooLarge, KVArray, Pool
 from tests.conftest import remove_segment, unique_pool_name

@@ -1,0 +1,241 @@
+"""The bytes of one pool: its header slots, the arena's extents, and entries moved between them.
+
+    segment:  | pool header (A/B) | entry slots (A/B each) ... | arena: extents of data and side records |
+
+The store knows where everything is and writes it so that a crash at any instant leaves each
+entry either as it was or as it became: data first, header last, and a move copies to new
+extents, switches the header, and only then frees the old extents. It decides nothing about what
+to keep; the Pool does (references, budget, eviction, the prefix index).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+
+from kvpool import checksum, compaction, layout as layouts
+from kvpool.allocator import ALIGN, Allocator, align_up
+from kvpool.entry import TOKEN_DTYPE, EntryRecord, meta_layout
+from kvpool.errors import PoolBusy, PoolCorrupt, PoolError, PoolFormatError
+from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, EntryHeader, EntryState, PoolHeader,
+                           SlotWriter, decode_pool_header, payload_version, read_slot)
+from kvpool.layout import ArrayLayout
+from kvpool.recovery import SlotScan, scan_slots
+from kvpool.segment import PAGE, Segment
+
+POOL_HEADER_BYTES = 2 * POOL_HEADER_HALF
+_FREE = EntryHeader(FORMAT_VERSION, EntryState.FREE, 0)
+
+
+class Store:
+    """Header slots and arena extents of one mapped segment. Not thread-safe: the pool locks."""
+
+    def __init__(self, segment: Segment, header: PoolHeader, header_generation: int = 0) -> None:
+        self.segment = segment
+        self.header = header
+        self._header_generation = header_generation
+        self._writer = SlotWriter()
+        self._map_views()
+        self._slot_generation = [0] * header.slot_count
+        self._free_slots = list(range(header.slot_count))
+        self.allocator = Allocator(header.arena_size)
+
+    def _map_views(self) -> None:
+        h = self.header
+        self.arena = self.segment.view(h.arena_offset, h.arena_size)
+        self.slots = self.segment.view(h.slot_table_offset, h.slot_count * h.slot_size)
+
+    # ----------------------------------------------------------------------------- headers
+
+    def write_pool_header(self, header: PoolHeader) -> None:
+        """Write the pool header into the half its next generation selects."""
+        self._header_generation += 1
+        self._writer.write(self.segment.view(0, POOL_HEADER_BYTES), header, self._header_generation)
+        self.header = header
+
+    def take_slot(self) -> int | None:
+        """The lowest free header slot, or None when every slot holds an entry."""
+        return heapq.heappop(self._free_slots) if self._free_slots else None
+
+    def write_entry(self, record: EntryRecord) -> None:
+        """Write `record.header` into its slot (the other half keeps the previous version)."""
+        self._write_slot(record.slot, record.header)
+
+    def _write_slot(self, slot: int, header: EntryHeader) -> None:
+        self._slot_generation[slot] += 1
+        view = self.slots[slot * ENTRY_SLOT_BYTES:(slot + 1) * ENTRY_SLOT_BYTES]
+        self._writer.write(view, header, self._slot_generation[slot])
+
+    def release(self, record: EntryRecord) -> None:
+        """Free an entry's slot and extents. The free header goes first: only then may the
+        extents be handed out again."""
+        self._write_slot(record.slot, _FREE)
+        heapq.heappush(self._free_slots, record.slot)
+        self.allocator.free(record.header.data_offset, record.header.data_length)
+        self.allocator.free(record.header.meta_offset, record.header.meta_length)
+
+    # ----------------------------------------------------------------------------- bytes
+
+    def data(self, header: EntryHeader) -> np.ndarray:
+        """The entry's data extent, zero-copy."""
+        return self.arena[header.data_offset:header.data_offset + header.data_length]
+
+    def tokens(self, header: EntryHeader, live: int | None = None) -> np.ndarray:
+        """The first `live` (default: the header's live count) token ids of an entry, zero-copy."""
+        tokens_at, _ = meta_layout(header.layout_length, header.capacity)
+        start = header.meta_offset + tokens_at
+        count = header.live if live is None else live
+        return self.arena[start:start + TOKEN_DTYPE.itemsize * count].view(TOKEN_DTYPE)
+
+    def write_tokens(self, header: EntryHeader, first: int, tokens: np.ndarray) -> None:
+        """Write token ids from cell `first` on (cells past the header's live count are not yet
+        covered by its checksum, so this cannot tear what the header promises)."""
+        tokens_at, _ = meta_layout(header.layout_length, header.capacity)
+        start = header.meta_offset + tokens_at + TOKEN_DTYPE.itemsize * first
+        self.arena[start:start + tokens.nbytes] = tokens.view(np.uint8)
+
+    def write_meta(self, offset: int, layout_bytes: bytes, tokens: np.ndarray, capacity: int) -> tuple[int, int]:
+        """Write a side record (layout, then token ids) at `offset`; its two checksums."""
+        tokens_at, length = meta_layout(len(layout_bytes), capacity)
+        meta = self.arena[offset:offset + length]
+        meta[:len(layout_bytes)] = np.frombuffer(layout_bytes, dtype=np.uint8)
+        meta[tokens_at:tokens_at + tokens.nbytes] = tokens.view(np.uint8)
+        return (checksum.digest([meta[:len(layout_bytes)]]),
+                checksum.digest([meta[tokens_at:tokens_at + tokens.nbytes]]))
+
+    # ----------------------------------------------------------------------------- moving entries
+
+    def relocate(self, record: EntryRecord, capacity: int) -> int | None:
+        """Rewrite an entry's live cells and side record into new extents sized for `capacity`,
+        verifying the checksum on the way, then switch the header and free the old extents.
+        The bytes moved, or None when the new extents do not fit (nothing changed)."""
+        old = record.header
+        if isinstance(record.layout, ArrayLayout):
+            layout, data_length = layouts.plan(layouts.templates_of(record.layout), capacity)
+        else:
+            layout, data_length = record.layout, old.data_length
+        layout_bytes = layouts.encode_layout(layout)
+        _, meta_length = meta_layout(len(layout_bytes), capacity)
+        data_offset = self.allocator.allocate(data_length)
+        meta_offset = self.allocator.allocate(meta_length) if data_offset is not None else None
+        if meta_offset is None:
+            if data_offset is not None:
+                self.allocator.free(data_offset, data_length)
+            return None
+        target = self.arena[data_offset:data_offset + data_length]
+        hasher, moved = checksum.new_hasher(), 0
+        for dst, src in zip(layouts.all_live_runs(target, layout, old.live),
+                            layouts.all_live_runs(self.data(old), record.layout, old.live)):
+            moved += checksum.copy_hashing(dst, src, hasher)
+        if hasher.intdigest() != old.data_checksum:
+            self.allocator.free(data_offset, data_length)
+            self.allocator.free(meta_offset, meta_length)
+            raise PoolError(f"entry {record.id} fails its checksum while being moved; evict it")
+        layout_check, _ = self.write_meta(meta_offset, layout_bytes, self.tokens(old), capacity)
+        record.header = msgspec.structs.replace(old, capacity=capacity, data_offset=data_offset,
+                                                data_length=data_length, meta_offset=meta_offset,
+                                                meta_length=meta_length, layout_length=len(layout_bytes),
+                                                layout_checksum=layout_check)
+        record.layout = layout
+        self.write_entry(record)
+        self.allocator.free(old.data_offset, old.data_length)
+        self.allocator.free(old.meta_offset, old.meta_length)
+        return moved
+
+    def defragment(self, need: int, movable: Iterable[EntryRecord], fixed: Iterable[EntryRecord]) -> tuple[bool, int, int]:
+        """Move `movable` entries out of the way until one free run of `need` bytes exists.
+        (done, entries moved, bytes moved)."""
+        by_id = {record.id: record for record in movable}
+        placed = [compaction.Placed(r.id, offset, align_up(length), r.id in by_id)
+                  for r in [*by_id.values(), *fixed]
+                  for offset, length in ((r.header.data_offset, r.header.data_length),
+                                         (r.header.meta_offset, r.header.meta_length))]
+        entries = moved_bytes = 0
+        for window in compaction.windows(placed, self.header.arena_size, need):
+            # Hold the window's free runs so that what is moved lands outside it.
+            end = window.start + need
+            held = [(max(o, window.start), min(o + n, end) - max(o, window.start))
+                    for o, n in self.allocator.free_extents() if o < end and o + n > window.start]
+            for offset, length in held:
+                self.allocator.take(offset, length)
+            inside = list(dict.fromkeys(window.keys))  # an entry's two extents may share a window
+            done = 0
+            for entry_id in inside:
+                record = by_id[entry_id]
+                moved = self.relocate(record, record.header.capacity)
+                if moved is None:
+                    break
+                done, moved_bytes = done + 1, moved_bytes + moved
+            for offset, length in held:
+                self.allocator.free(offset, length)
+            entries += done
+            if done == len(inside):
+                return True, entries, moved_bytes
+        return False, entries, moved_bytes
+
+    # ----------------------------------------------------------------------------- attach and close
+
+    def recover(self) -> SlotScan:
+        """Scan the slot table after an attach: keep ready entries, free the rest, rebuild the
+        free lists. Returns what was found."""
+        scan = scan_slots(self.slots, self.header.slot_count, self.header.slot_size, self.arena)
+        self._slot_generation = scan.generations
+        used = [(f.header.data_offset, f.header.data_length) for f in scan.entries]
+        used += [(f.header.meta_offset, f.header.meta_length) for f in scan.entries]
+        self.allocator = Allocator(self.header.arena_size, used)
+        taken = {found.slot for found in scan.entries}
+        self._free_slots = [slot for slot in range(self.header.slot_count) if slot not in taken]
+        for slot in scan.to_clear:
+            self._write_slot(slot, _FREE)
+        return scan
+
+    def arena_map(self, records: Iterable[EntryRecord]) -> list[tuple[int, int, str]]:
+        """(offset, length, owner) of every extent in offset order; owner is "free",
+        "<id>.data" or "<id>.meta"."""
+        rows = [(offset, length, "free") for offset, length in self.allocator.free_extents()]
+        for record in records:
+            h = record.header
+            rows.append((h.data_offset, align_up(h.data_length), f"{record.id}.data"))
+            rows.append((h.meta_offset, align_up(h.meta_length), f"{record.id}.meta"))
+        return sorted(rows)
+
+    def close(self) -> None:
+        """Unmap the segment (PoolBusy, with the store still usable, while foreign views live)."""
+        self.arena = self.slots = None  # our own views must go before the mapping can
+        try:
+            self.segment.close()
+        except PoolBusy:
+            self._map_views()
+            raise
+
+
+def read_pool_header(segment: Segment, name: str) -> tuple[PoolHeader, int]:
+    """The pool header and its generation, after checking version, owner and geometry."""
+    if segment.size < POOL_HEADER_BYTES:
+        raise PoolFormatError(f"segment {name!r} is {segment.size} bytes: too small to be a pool")
+    found = read_slot(segment.view(0, POOL_HEADER_BYTES))
+    remove = f"remove it with `python -m kvpool rm {name}`"
+    if found is None:
+        raise PoolCorrupt(f"pool {name!r}: both copies of the pool header are unreadable; the segment cannot be "
+                          f"recovered, {remove}")
+    generation, payload = found
+    version = payload_version(payload)
+    if version != FORMAT_VERSION:
+        raise PoolFormatError(f"pool {name!r} has format version {version}; this kvpool reads version "
+                              f"{FORMAT_VERSION}. Use the release that wrote it, or {remove}")
+    header = decode_pool_header(payload)
+    if header is None:
+        raise PoolCorrupt(f"pool {name!r}: the pool header does not decode; {remove}")
+    if header.uid != os.getuid():
+        raise PoolFormatError(f"pool {name!r} was created by uid {header.uid}, not this user ({os.getuid()})")
+    table_end = header.slot_table_offset + header.slot_count * header.slot_size
+    if (header.size != segment.size or header.name != name or header.slot_size != ENTRY_SLOT_BYTES
+            or header.slot_table_offset < POOL_HEADER_BYTES or table_end > header.arena_offset
+            or header.arena_offset % PAGE or header.arena_size % ALIGN or header.arena_size <= 0
+            or header.arena_offset + header.arena_size > segment.size or header.budget_bytes < 0):
+        raise PoolCorrupt(f"pool {name!r}: the pool header's geometry does not match the segment; {remove}")
+    return header, generation
