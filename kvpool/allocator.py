@@ -54,11 +54,29 @@ class Allocator:
         """Free (offset, length) extents in offset order."""
         return list(self._by_offset.items())
 
-    def allocate(self, length: int) -> int | None:
-        """Take `length` bytes (rounded up to ALIGN); the offset, or None when no extent fits."""
+    def allocate(self, length: int, *, modulus: int | None = None, phase: int = 0) -> int | None:
+        """Take `length` bytes (rounded up to ALIGN); the offset, or None when no extent fits.
+
+        With `modulus`, the offset returned is congruent to `phase` modulo `modulus` (both
+        multiples of ALIGN): the best fit for `length + modulus` is taken and what lies before
+        and after the aligned start goes straight back to the free list.
+        """
         if length <= 0:
             raise ValueError(f"allocation length must be > 0, got {length}")
         need = align_up(length)
+        if modulus is not None:
+            if modulus % ALIGN or phase % ALIGN or not 0 <= phase < modulus:
+                raise ValueError(f"modulus {modulus} and phase {phase} must be multiples of {ALIGN}, phase < modulus")
+            found = self._best_fit(need + modulus)
+            if found is None:
+                return None
+            start = found + (phase - found) % modulus
+            self._insert(found, start - found)
+            self._insert(start + need, found + need + modulus - start - need)
+            return start
+        return self._best_fit(need)
+
+    def _best_fit(self, need: int) -> int | None:
         index = self._by_size.bisect_left((need, -1))
         if index == len(self._by_size):
             return None

@@ -142,21 +142,17 @@ class EntryView:
         missing = {spec.name for spec in self.layout.arrays} - set(destinations)
         if missing:
             raise LayoutError(f"no destination for arrays {sorted(missing)}")
-        hasher, copied = checksum.new_hasher(), 0
-        for spec in self.layout.arrays:
-            for src, dst in layouts.paired_runs(self._data, spec, self.info.tokens, destinations[spec.name]):
-                copied += checksum.hash_then_copy(dst, src, hasher)
-        return self._finish_read(hasher, copied)
+        pairs = [(dst, src) for spec in self.layout.arrays
+                 for src, dst in layouts.paired_runs(self._data, spec, self.info.tokens, destinations[spec.name])]
+        return self._finish_read(*checksum.copy_checksummed(pairs))
 
     def read_blob_into(self, destination: np.ndarray) -> int:
         """Copy the engine blob into `destination` (uint8, same length), verifying on the way."""
-        hasher = checksum.new_hasher()
-        copied = checksum.hash_then_copy(destination, self._data[:self.layout.length], hasher)
-        return self._finish_read(hasher, copied)
+        return self._finish_read(*checksum.copy_checksummed([(destination, self._data[:self.layout.length])]))
 
-    def _finish_read(self, hasher, copied: int) -> int:
+    def _finish_read(self, found: int, copied: int) -> int:
         self._pool._count_read(copied)
-        if hasher.intdigest() != self._record.header.data_checksum:
+        if found != self._record.header.data_checksum:
             raise DataCorrupt(f"entry {self.info.id}: bytes read fail their checksum; evict it and recompute")
         return copied
 
@@ -217,17 +213,13 @@ class Writer:
             raise LayoutError("this entry holds an engine blob; use fill_blob")
         if [a.name for a in arrays] != [s.name for s in self._record.layout.arrays]:
             raise LayoutError("arrays do not match the entry's layout, name for name")
-        hasher = checksum.new_hasher()
-        for array, spec in zip(arrays, self._record.layout.arrays):
-            for dst, src in layouts.paired_runs(self._data, spec, self.live, array.data):
-                checksum.copy_hashing(dst, src, hasher)
-        return hasher.intdigest()
+        pairs = [pair for array, spec in zip(arrays, self._record.layout.arrays)
+                 for pair in layouts.paired_runs(self._data, spec, self.live, array.data)]
+        return checksum.copy_checksummed(pairs)[0]
 
     def fill_blob(self, source: np.ndarray) -> int:
         """Copy an engine blob (uint8) into the entry, hashing on the way; the data checksum."""
-        hasher = checksum.new_hasher()
-        checksum.copy_hashing(self.blob, source, hasher)
-        return hasher.intdigest()
+        return checksum.copy_checksummed([(self.blob, source)])[0]
 
     def commit(self, data_checksum: int | None = None) -> EntryInfo:
         """Make the cells durable and visible. `data_checksum` is for callers that hashed while

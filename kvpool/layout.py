@@ -16,7 +16,9 @@ entry can be compacted or moved without re-hashing what it holds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from typing import NamedTuple, Union
 
 import msgspec
@@ -30,6 +32,7 @@ from kvpool.errors import LayoutError
 ALLOWED_DTYPES = frozenset({"|u1", "|i1", "<u2", "<i2", "<f2", "<u4", "<i4", "<f4", "<u8", "<i8", "<f8"})
 MAX_DIMS = 8
 NO_TOKEN_AXIS = -1  # fixed-size state (recurrent layers): all of it is live
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 
 
 class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
@@ -98,7 +101,7 @@ def live_tokens_of(arrays: Sequence[KVArray]) -> int | None:
 
 def spec_nbytes(spec: ArraySpec) -> int:
     """Bytes the array takes at its reserved shape."""
-    return int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    return math.prod(spec.shape) * _ITEMSIZE[spec.dtype]
 
 
 def plan(templates: Sequence[ArrayTemplate], capacity: int) -> tuple[ArrayLayout, int]:
@@ -181,9 +184,10 @@ def live_view(data: np.ndarray, spec: ArraySpec, live: int) -> np.ndarray:
 
 
 def live_runs(data: np.ndarray, spec: ArraySpec, live: int) -> Iterator[np.ndarray]:
-    """The contiguous pieces of an array's live cells, in canonical order."""
+    """The contiguous pieces of an array's live cells, in canonical order (one piece when the
+    entry has no slack: a hash over the pieces equals a hash over their concatenation)."""
     view = live_view(data, spec, live)
-    if spec.token_axis in (NO_TOKEN_AXIS, 0):
+    if spec.token_axis in (NO_TOKEN_AXIS, 0) or view.flags.c_contiguous:
         yield view
         return
     for index in np.ndindex(*view.shape[:spec.token_axis]):
@@ -192,10 +196,10 @@ def live_runs(data: np.ndarray, spec: ArraySpec, live: int) -> Iterator[np.ndarr
 
 def paired_runs(data: np.ndarray, spec: ArraySpec, live: int, other: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(pool run, matching piece of `other`) pairs, where `other` has the live shape."""
-    if spec.token_axis in (NO_TOKEN_AXIS, 0):
-        yield live_view(data, spec, live), other
-        return
     view = live_view(data, spec, live)
+    if spec.token_axis in (NO_TOKEN_AXIS, 0) or view.flags.c_contiguous:
+        yield view, other
+        return
     for index in np.ndindex(*view.shape[:spec.token_axis]):
         yield view[index], other[index]
 
@@ -213,10 +217,18 @@ def live_nbytes(layout: Layout, live: int) -> int:
     """Bytes of live state the layout holds at `live` cells."""
     if isinstance(layout, BlobLayout):
         return layout.length
-    total = 0
+    per_cell, fixed = _cell_bytes(layout)
+    return fixed + per_cell * live
+
+
+@lru_cache(maxsize=4096)
+def _cell_bytes(layout: ArrayLayout) -> tuple[int, int]:
+    """(bytes per cell, bytes independent of cells) of an array layout."""
+    per_cell = fixed = 0
     for spec in layout.arrays:
-        if spec.token_axis == NO_TOKEN_AXIS or spec.shape[spec.token_axis] == 0:
-            total += spec_nbytes(spec) if spec.token_axis == NO_TOKEN_AXIS else 0
+        if spec.token_axis == NO_TOKEN_AXIS:
+            fixed += spec_nbytes(spec)
         else:
-            total += spec_nbytes(spec) // spec.shape[spec.token_axis] * live
-    return total
+            others = math.prod(d for axis, d in enumerate(spec.shape) if axis != spec.token_axis)
+            per_cell += others * _ITEMSIZE[spec.dtype]
+    return per_cell, fixed

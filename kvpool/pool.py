@@ -433,12 +433,13 @@ class Pool:
 
     def _place(self, data_length: int, meta_length: int) -> tuple[int, int, int] | None:
         """A slot and both extents, defragmenting if the free space is there but split; or None."""
-        allocator = self._store.allocator
+        store, allocator = self._store, self._store.allocator
         offsets = []
-        for length in (data_length, meta_length):
-            offset = allocator.allocate(length)
-            if offset is None and allocator.free_bytes >= align_up(length) and self._defragment(align_up(length)):
-                offset = allocator.allocate(length)
+        for length, allocate, need in ((data_length, store.allocate_data, store.data_need(data_length)),
+                                       (meta_length, allocator.allocate, align_up(meta_length))):
+            offset = allocate(length)
+            if offset is None and allocator.free_bytes >= need and self._defragment(need):
+                offset = allocate(length)
             if offset is None:
                 break
             offsets.append((offset, length))

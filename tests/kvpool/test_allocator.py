@@ -47,6 +47,19 @@ def test_rebuild_from_used_extents():
         Allocator(1024, used=[(0, 128), (64, 64)])
 
 
+def test_phased_allocation_returns_the_rest():
+    a = Allocator(16384)
+    assert a.allocate(100) == 0
+    start = a.allocate(5000, modulus=4096, phase=2048)
+    assert start == 2048 and a.free_extents() == [(128, 1920), (7104, 9280)]
+    a.free(start, 5000)
+    a.free(0, 100)
+    assert a.free_extents() == [(0, 16384)]
+    assert a.allocate(16000, modulus=4096, phase=0) is None
+    with pytest.raises(ValueError):
+        a.allocate(64, modulus=4096, phase=4096)
+
+
 def test_take_exact_range():
     a = Allocator(1024)
     a.take(256, 128)
