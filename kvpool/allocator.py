@@ -71,8 +71,9 @@ class Allocator:
             if found is None:
                 return None
             start = found + (phase - found) % modulus
-            self._insert(found, start - found)
-            self._insert(start + need, found + need + modulus - start - need)
+            for offset, length in ((found, start - found), (start + need, found + modulus - start)):
+                if length:
+                    self.free(offset, length)  # merges with the rest of the extent it came from
             return start
         return self._best_fit(need)
 

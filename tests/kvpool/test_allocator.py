@@ -76,7 +76,8 @@ def test_random_operations_keep_invariants(ops):
     held: dict[int, int] = {}
     for allocate, n in ops:
         if allocate or not held:
-            offset = a.allocate(n)
+            offset = a.allocate(n, modulus=1024, phase=512) if n % 3 == 0 else a.allocate(n)
+            assert offset is None or n % 3 or offset % 1024 == 512
             if offset is not None:
                 held[offset] = n
         else:
