@@ -100,7 +100,8 @@ class Pool:
         try:
             if budget is None:
                 options = {k: v for k, v in (("headroom", headroom), ("cap", cap)) if v is not None}
-                budget = export_budget(device, arena_size, host_memory_available() + size_bytes, **options)
+                entry_bytes = arena_size + slot_count * ENTRY_SLOT_BYTES  # everything entries can take
+                budget = export_budget(device, entry_bytes, host_memory_available() + size_bytes, **options)
             header = PoolHeader(FORMAT_VERSION, os.getuid(), name, size_bytes, POOL_HEADER_BYTES, slot_count,
                                 ENTRY_SLOT_BYTES, arena_offset, arena_size,
                                 min(budget.bytes, arena_size + slot_count * ENTRY_SLOT_BYTES),

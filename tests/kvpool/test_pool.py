@@ -238,3 +238,31 @@ def test_find_by_tag_and_reattach(make_pool):
         assert newer.id > info.id + 1  # ids are not reused after a re-attach
     finally:
         again.close()
+
+
+def test_budget_computed_at_creation_counts_the_pools_own_memory(pool_name):
+    from kvpool.budget import host_memory_available
+
+    pool = Pool.create(pool_name, 64 << 20, max_entries=64)
+    try:
+        slots = 64 * 1024
+        assert pool.header.budget_bytes == pool.header.arena_size + slots  # bounded by the pool itself
+        assert "capacity" in pool.header.budget_reason
+        assert host_memory_available() > 0
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_a_device_without_free_memory_grants_nothing_and_says_why(pool_name):
+    from kvpool import Device, EntryTooLarge
+
+    pool = Pool.create(pool_name, 1 << 20, device=Device("cuda", "cuda:0", free_bytes=0), headroom=1 << 30)
+    try:
+        assert pool.header.budget_bytes == 0
+        with pytest.raises(EntryTooLarge, match="reports no free memory.*headroom of 1.00 GiB"):
+            pool.put("m", range(3), heads_kv(3))
+        assert pool.stats().entries == 0
+    finally:
+        pool.close()
+        pool.unlink()
