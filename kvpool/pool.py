@@ -26,7 +26,7 @@ from kvpool import checksum, compaction, eviction, layout as layouts
 from kvpool.allocator import ALIGN, align_up
 from kvpool.budget import Budget, Device, export_budget, host_memory_available
 from kvpool.entry import TOKEN_DTYPE, EntryInfo, EntryRecord, EntryView, Writer, meta_layout
-from kvpool.errors import EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
+from kvpool.errors import DataCorrupt, EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
 from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, PoolHeader
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
 from kvpool.prefix import PrefixIndex, PrefixMatch
@@ -332,7 +332,13 @@ class Pool:
             candidates = [compaction.Reserved(r.id, r.live_bytes + r.slack_bytes, r.live_bytes)
                           for r in self._entries.values() if self._movable(r) and isinstance(r.layout, ArrayLayout)]
             for entry_id in compaction.slack_to_reclaim(candidates, ratio, min_bytes):
-                reclaimed += self._reclaim_slack(self._entries[entry_id])
+                record = self._entries[entry_id]
+                try:
+                    reclaimed += self._reclaim_slack(record)
+                except DataCorrupt:
+                    self._counters.corrupt_found += 1
+                    if not record.refcount:  # nobody can use it: its room is better spent
+                        self._evict(record)
             return reclaimed
 
     def defragment(self, need: int) -> bool:

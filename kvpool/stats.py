@@ -25,6 +25,7 @@ class Counters:
     bytes_written: int = 0  # copies into the pool (put, or an engine writing a reserved entry)
     bytes_read: int = 0  # copies out of the pool through read_into (an engine's import)
     bytes_moved: int = 0  # compaction: slack reclaimed, extents relocated
+    corrupt_found: int = 0  # entries whose bytes failed their checksum while being moved
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -61,6 +62,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     bytes_written: int
     bytes_read: int
     bytes_moved: int
+    corrupt_found: int
     recovered_entries: int
     recovered_freed_writing: int
     recovered_dropped: int

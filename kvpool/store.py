@@ -20,7 +20,7 @@ import numpy as np
 from kvpool import checksum, compaction, layout as layouts
 from kvpool.allocator import ALIGN, Allocator, align_up
 from kvpool.entry import TOKEN_DTYPE, EntryRecord, meta_layout
-from kvpool.errors import PoolBusy, PoolCorrupt, PoolError, PoolFormatError
+from kvpool.errors import DataCorrupt, PoolBusy, PoolCorrupt, PoolFormatError
 from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, EntryHeader, EntryState, PoolHeader,
                            SlotWriter, decode_pool_header, payload_version, read_slot)
 from kvpool.layout import ArrayLayout
@@ -156,7 +156,7 @@ class Store:
         if found != old.data_checksum:
             self.allocator.free(data_offset, data_length)
             self.allocator.free(meta_offset, meta_length)
-            raise PoolError(f"entry {record.id} fails its checksum while being moved; evict it")
+            raise DataCorrupt(f"entry {record.id} fails its checksum while being moved; evict it")
         layout_check, _ = self.write_meta(meta_offset, layout_bytes, self.tokens(old), capacity)
         record.header = msgspec.structs.replace(old, capacity=capacity, data_offset=data_offset,
                                                 data_length=data_length, meta_offset=meta_offset,

@@ -110,6 +110,19 @@ def test_compaction_returns_slack_and_keeps_data(make_pool):
         assert all(np.array_equal(view.arrays[a.name], a.data) for a in arrays)
 
 
+def test_compaction_evicts_an_unreferenced_entry_found_corrupt(make_pool):
+    pool = make_pool(4 << 20)
+    held = pool.put("m", range(4), heads_kv(4), capacity=2048)
+    cached = pool.put("m", range(4), heads_kv(4, seed=1), capacity=2048)
+    pool.release(cached.id)
+    for entry in (held, cached):
+        offset = next(o for o, n, owner in pool.arena_map() if owner == f"{entry.id}.data")
+        pool._store.arena[offset] ^= 0xFF
+    assert pool.compact() == 0
+    assert pool.stats().corrupt_found == 2
+    assert [e.id for e in pool.entries()] == [held.id]  # the referenced one stays, for its holder to see
+
+
 def test_compaction_skips_pinned_and_small_slack(make_pool):
     pool = make_pool(1 << 20)
     big = pool.put("m", range(4), heads_kv(4), capacity=2048)
