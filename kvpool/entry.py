@@ -101,6 +101,8 @@ class EntryView:
     def __init__(self, pool: "Pool", record: EntryRecord, data: np.ndarray, tokens: np.ndarray) -> None:
         self._pool = pool
         self._record = record
+        self._header = record.header  # the entry as it was when viewed: an extend adds cells, not to us
+        self._layout = record.layout
         self._data = data
         self.info = record.info()
         self.tokens = _read_only(tokens)
@@ -109,7 +111,7 @@ class EntryView:
     @property
     def layout(self) -> Layout:
         """The entry's layout record (array names, dtypes, reserved shapes, or the blob length)."""
-        return self._record.layout
+        return self._layout
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -129,9 +131,9 @@ class EntryView:
     def verify(self) -> None:
         """Raise DataCorrupt unless the live bytes match the checksum written with them."""
         found = checksum.digest(layouts.all_live_runs(self._data, self.layout, self.info.tokens))
-        if found != self._record.header.data_checksum:
+        if found != self._header.data_checksum:
             raise DataCorrupt(f"entry {self.info.id} ({self.info.tag or 'untagged'}): stored bytes fail their "
-                              "checksum; evict it and recompute its tokens")
+                              "checksum; evict it and recompute its tokens", self.info.id)
 
     def read_into(self, destinations: Mapping[str, np.ndarray]) -> int:
         """Copy each array's live cells into `destinations[name]` (same shape), verifying the
@@ -152,8 +154,9 @@ class EntryView:
 
     def _finish_read(self, found: int, copied: int) -> int:
         self._pool._count_read(copied)
-        if found != self._record.header.data_checksum:
-            raise DataCorrupt(f"entry {self.info.id}: bytes read fail their checksum; evict it and recompute")
+        if found != self._header.data_checksum:
+            raise DataCorrupt(f"entry {self.info.id}: bytes read fail their checksum; evict it and recompute",
+                              self.info.id)
         return copied
 
     def close(self) -> None:
@@ -244,3 +247,11 @@ class Writer:
 
     def __exit__(self, *exc) -> None:
         self.abort()
+
+    def __del__(self) -> None:
+        # A writer dropped without commit or abort would hold its extents until close() refused.
+        if not getattr(self, "_done", True):
+            try:
+                self.abort()
+            except Exception:  # interpreter shutdown, or the pool already closed
+                pass

@@ -51,6 +51,10 @@ class EntryTooLarge(PoolError):
 class DataCorrupt(PoolError):
     """An entry's stored bytes no longer match their checksum."""
 
+    def __init__(self, message: str, entry_id: int | None = None) -> None:
+        super().__init__(message)
+        self.entry_id = entry_id
+
 
 class LayoutError(PoolError):
     """Arrays or a layout record that the pool cannot store or trust."""

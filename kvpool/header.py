@@ -28,7 +28,7 @@ FRAME = struct.Struct("<4sIQQ")
 POOL_HEADER_HALF = 2048  # the pool header region is 2 halves at the start of the segment
 ENTRY_SLOT_HALF = 512  # each entry slot is 2 halves of this size
 ENTRY_SLOT_BYTES = 2 * ENTRY_SLOT_HALF
-MAX_TEXT = 96  # longest identity or tag, so a header always fits its half
+MAX_TEXT = 96  # longest identity or tag in UTF-8 bytes, so a header fits its half
 
 
 class EntryState(IntEnum):
@@ -55,6 +55,7 @@ class PoolHeader(msgspec.Struct, frozen=True, array_like=True):
     budget_reason: str
     created_at: float
     owner_pid: int
+    serial_limit: int = 0  # entry ids below this may have been handed out: a new owner starts here
 
 
 class EntryHeader(msgspec.Struct, frozen=True, array_like=True):
@@ -101,6 +102,14 @@ def _frame_check(length: int, generation: int, payload) -> int:
     hasher = xxhash.xxh3_64(struct.pack("<IQ", length, generation))
     hasher.update(payload)
     return hasher.intdigest()
+
+
+def fits_entry_slot(header: EntryHeader) -> bool:
+    """Whether `header` fits an entry slot half, even once its checksum fields are at their
+    largest (msgpack integers grow with their value)."""
+    widest = msgspec.structs.replace(header, state=EntryState.READY, data_checksum=2**64 - 1,
+                                     layout_checksum=2**64 - 1, tokens_checksum=2**64 - 1)
+    return FRAME.size + len(_encoder.encode(widest)) <= ENTRY_SLOT_HALF
 
 
 def write_half(half: np.ndarray, payload, generation: int) -> None:

@@ -13,10 +13,8 @@ import numpy as np
 
 from kvpool import segment
 from kvpool.errors import PoolBusy, PoolError
-from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, EntryState,
-                           decode_entry_header, decode_pool_header, payload_version, read_slot)
-
-_HEADER_BYTES = 2 * POOL_HEADER_HALF
+from kvpool.header import EntryState, decode_entry_header, read_slot
+from kvpool.store import POOL_HEADER_BYTES, parse_pool_header
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -35,30 +33,22 @@ class SegmentInfo(msgspec.Struct, frozen=True):
 def describe(name: str) -> SegmentInfo:
     """Read segment `name`'s headers without attaching it (its owner may be alive)."""
     alive = segment.owner_alive(name)
-    prefix = segment.read_prefix(name, _HEADER_BYTES)
-    size = _segment_size(name)
-    found = read_slot(np.frombuffer(prefix, dtype=np.uint8)) if len(prefix) == _HEADER_BYTES else None
-    if found is None:
-        return SegmentInfo(name, size, alive, problem="no readable pool header")
-    version = payload_version(found[1])
-    header = decode_pool_header(found[1]) if version == FORMAT_VERSION else None
-    if header is None:
-        return SegmentInfo(name, size, alive, problem=f"format version {version}, this kvpool reads {FORMAT_VERSION}")
-    table_end = header.slot_table_offset + header.slot_count * header.slot_size
-    slots = np.frombuffer(segment.read_prefix(name, table_end), dtype=np.uint8)
+    size = os.stat(f"{segment.SHM_DIR}/{segment.segment_name(name)[1:]}").st_size
+    prefix = segment.read_prefix(name, POOL_HEADER_BYTES)
+    if len(prefix) < POOL_HEADER_BYTES:
+        return SegmentInfo(name, size, alive, problem=f"{size} bytes: too small to be a pool")
+    try:
+        header, _ = parse_pool_header(np.frombuffer(prefix, dtype=np.uint8), size, name)
+    except PoolError as exc:
+        return SegmentInfo(name, size, alive, problem=str(exc))
+    table_end = header.slot_table_offset + header.slot_count * header.slot_size  # checked: inside the segment
+    table = np.frombuffer(segment.read_prefix(name, table_end), dtype=np.uint8)[header.slot_table_offset:]
     entries = 0
     for index in range(header.slot_count):
-        start = header.slot_table_offset + index * ENTRY_SLOT_BYTES
-        if start + ENTRY_SLOT_BYTES > len(slots):
-            break
-        slot = read_slot(slots[start:start + ENTRY_SLOT_BYTES])
+        slot = read_slot(table[index * header.slot_size:(index + 1) * header.slot_size])
         entry = decode_entry_header(slot[1]) if slot else None
         entries += bool(entry and entry.state == EntryState.READY)
     return SegmentInfo(name, size, alive, header.owner_pid, entries, header.budget_bytes, header.created_at)
-
-
-def _segment_size(name: str) -> int:
-    return os.stat(f"{segment.SHM_DIR}/{segment.segment_name(name)[1:]}").st_size
 
 
 def list_segments() -> list[SegmentInfo]:
@@ -67,7 +57,7 @@ def list_segments() -> list[SegmentInfo]:
     for name in segment.list_pool_names():
         try:
             found.append(describe(name))
-        except (PoolError, OSError) as exc:
+        except (PoolError, OSError, ValueError) as exc:  # one unreadable segment must not hide the rest
             found.append(SegmentInfo(name, 0, False, problem=str(exc)))
     return found
 

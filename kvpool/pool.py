@@ -14,6 +14,7 @@ Thread safety: one lock guards the metadata. Bulk copies into a reserved entry h
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -27,7 +28,8 @@ from kvpool.allocator import ALIGN, align_up
 from kvpool.budget import Budget, Device, export_budget, host_memory_available
 from kvpool.entry import TOKEN_DTYPE, EntryInfo, EntryRecord, EntryView, Writer, meta_layout
 from kvpool.errors import DataCorrupt, EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
-from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, PoolHeader
+from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, PoolHeader,
+                           fits_entry_slot)
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
 from kvpool.prefix import PrefixIndex, PrefixMatch
 from kvpool.recovery import RecoveryReport
@@ -37,6 +39,7 @@ from kvpool.store import POOL_HEADER_BYTES, Store, read_pool_header
 
 SLACK_RATIO = 0.25  # reclaim an entry's slack once it is a quarter of what the entry reserves
 SLACK_MIN_BYTES = 64 << 10
+SERIAL_BLOCK = 1024  # entry ids are reserved in the pool header this many at a time
 
 
 def default_max_entries(size_bytes: int) -> int:
@@ -50,13 +53,20 @@ def _tokens(tokens) -> np.ndarray:
         raise LayoutError(f"tokens must be a 1-D sequence of integers, got shape {array.shape} {array.dtype}")
     if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
         raise LayoutError("token ids must fit in int32")
-    return array.astype(TOKEN_DTYPE, copy=False)
+    return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)
 
 
 def _text(name: str, value: str, allow_empty: bool) -> str:
-    if not isinstance(value, str) or len(value) > MAX_TEXT or (not value and not allow_empty):
-        raise LayoutError(f"{name} must be a string of {'0' if allow_empty else '1'}-{MAX_TEXT} characters")
+    if not isinstance(value, str) or len(value.encode()) > MAX_TEXT or (not value and not allow_empty):
+        raise LayoutError(f"{name} must be a string of {'0' if allow_empty else '1'}-{MAX_TEXT} UTF-8 bytes")
     return value
+
+
+def _cost(recompute_cost: float | None, tokens: int) -> float:
+    cost = float(tokens) if recompute_cost is None else recompute_cost
+    if not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
+        raise LayoutError(f"recompute_cost must be a finite number >= 0 (seconds or tokens), got {recompute_cost!r}")
+    return float(cost)
 
 
 class Pool:
@@ -105,7 +115,7 @@ class Pool:
             header = PoolHeader(FORMAT_VERSION, os.getuid(), name, size_bytes, POOL_HEADER_BYTES, slot_count,
                                 ENTRY_SLOT_BYTES, arena_offset, arena_size,
                                 min(budget.bytes, arena_size + slot_count * ENTRY_SLOT_BYTES),
-                                budget.reason, time.time(), os.getpid())
+                                budget.reason, time.time(), os.getpid(), serial_limit=1)
             store = Store(segment, header)
             store.write_pool_header(header)
             pool = cls(store)
@@ -125,9 +135,14 @@ class Pool:
             store = Store(segment, header, generation)
             pool = cls(store)
             pool._recover()
-            store.write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid()))
+            pool._next_serial = max(pool._next_serial, header.serial_limit)
+            store.write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid(),
+                                                            serial_limit=pool._next_serial))
         except BaseException:
-            segment.close()
+            try:
+                segment.close()
+            except PoolBusy:  # a view held by the traceback: the mapping goes when it does
+                pass
             raise
         return pool
 
@@ -190,7 +205,9 @@ class Pool:
     def put_blob(self, identity: str, tokens, blob, *, tag: str = "",
                  recompute_cost: float | None = None) -> EntryInfo | None:
         """Store an engine's opaque state blob (any bytes-like) whole, hashed on the way."""
-        source = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob.view(np.uint8).ravel()
+        if isinstance(blob, np.ndarray) and not blob.flags.c_contiguous:
+            raise LayoutError("an engine blob must be C-contiguous bytes (copying it here would be a hidden copy)")
+        source = blob.reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else np.frombuffer(blob, np.uint8)
         writer = self.reserve_blob(identity, tokens, source.nbytes, tag=tag, recompute_cost=recompute_cost)
         if writer is None:
             return None
@@ -225,17 +242,21 @@ class Pool:
         with self._lock:
             record = self._record(entry_id)
             header = record.header
+            cost = header.recompute_cost + len(tokens) if recompute_cost is None else _cost(recompute_cost, 0)
             if not isinstance(record.layout, ArrayLayout):
                 raise LayoutError(f"entry {entry_id} holds an engine blob, written whole; put a new entry instead")
+            if any(spec.token_axis == layouts.NO_TOKEN_AXIS for spec in record.layout.arrays):
+                raise LayoutError(f"entry {entry_id} holds fixed-size state, which cannot be rewritten in place "
+                                  "without risking it in a crash; put a new entry instead")
             if record.refcount > 1 or record.extending:
                 raise EntryBusy(f"entry {entry_id} is shared ({record.refcount} references) or being extended; "
                                 "shared entries are immutable")
             if header.live + len(tokens) > header.capacity:
                 raise LayoutError(f"entry {entry_id} has room for {header.capacity - header.live} more cells, "
                                   f"not {len(tokens)}; put a new entry with a larger capacity")
+            self._store.write_tokens(header, header.live, tokens)  # past live: the header does not cover them yet
             record.extending = True
-            record.pending_cost = header.recompute_cost + len(tokens) if recompute_cost is None else recompute_cost
-            self._store.write_tokens(header, header.live, tokens)
+            record.pending_cost = cost
             return Writer(self, record, self._store.data(header), header.live, header.live + len(tokens))
 
     # ----------------------------------------------------------------------------- reading and sharing
@@ -276,6 +297,9 @@ class Pool:
         """Take one more reference to an entry: no bytes move."""
         with self._lock:
             record = self._record(entry_id)
+            if record.extending:
+                raise EntryBusy(f"entry {entry_id} is being extended; share it once the extension is committed "
+                                "(shared entries are immutable)")
             record.refcount += 1
             record.last_used = next(self._clock)
             self._counters.shares += 1
@@ -312,11 +336,13 @@ class Pool:
     def lookup(self, identity: str, tokens) -> PrefixMatch | None:
         """The ready entry of `identity` sharing the longest exact token prefix with `tokens`."""
         with self._lock:
+            self._check_open()
             return self._prefix.longest(identity, _tokens(tokens))
 
     def acquire_prefix(self, identity: str, tokens) -> PrefixMatch | None:
         """lookup() and share() the entry found, atomically (the caller must release it)."""
         with self._lock:
+            self._check_open()
             match = self._prefix.longest(identity, _tokens(tokens))
             if match is not None:
                 self.share(match.entry_id)
@@ -328,6 +354,7 @@ class Pool:
         """Give back the slack of unpinned entries whose slack passes the threshold; the bytes
         returned to the free list."""
         with self._lock:
+            self._check_open()
             reclaimed = 0
             candidates = [compaction.Reserved(r.id, r.live_bytes + r.slack_bytes, r.live_bytes)
                           for r in self._entries.values() if self._movable(r) and isinstance(r.layout, ArrayLayout)]
@@ -335,7 +362,7 @@ class Pool:
                 record = self._entries[entry_id]
                 try:
                     reclaimed += self._reclaim_slack(record)
-                except DataCorrupt:
+                except DataCorrupt:  # found while moving it
                     self._counters.corrupt_found += 1
                     if not record.refcount:  # nobody can use it: its room is better spent
                         self._evict(record)
@@ -344,6 +371,7 @@ class Pool:
     def defragment(self, need: int) -> bool:
         """Move unpinned extents so that one free run of `need` bytes exists; False if it cannot."""
         with self._lock:
+            self._check_open()
             return self._defragment(align_up(need))
 
     # ----------------------------------------------------------------------------- statistics
@@ -372,9 +400,12 @@ class Pool:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _record(self, entry_id: int) -> EntryRecord:
+    def _check_open(self) -> None:
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
+
+    def _record(self, entry_id: int) -> EntryRecord:
+        self._check_open()
         try:
             return self._entries[entry_id]
         except KeyError:
@@ -385,38 +416,57 @@ class Pool:
 
     def _reserve(self, identity: str, tokens: np.ndarray, layout: Layout, data_length: int, capacity: int,
                  tag: str, recompute_cost: float | None) -> Writer | None:
-        _text("identity", identity, allow_empty=False)
-        _text("tag", tag, allow_empty=True)
+        # Everything that can be refused is refused here, before any room is made.
+        header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, 0, _text("identity", identity, allow_empty=False),
+                             len(tokens), capacity, tag=_text("tag", tag, allow_empty=True),
+                             recompute_cost=_cost(recompute_cost, len(tokens)), created_at=time.time())
         layout_bytes = layouts.encode_layout(layout)
         _, meta_length = meta_layout(len(layout_bytes), capacity)
         stored = align_up(data_length) + align_up(meta_length) + ENTRY_SLOT_BYTES
-        budget = self._store.header.budget_bytes
-        if stored - ENTRY_SLOT_BYTES > self._store.header.arena_size:
+        pool = self._store.header
+        if self._store.data_need(data_length) + align_up(meta_length) > pool.arena_size:
             raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) cannot fit the pool's "
-                                f"{self._store.header.arena_size}-byte arena; create a larger pool")
-        if stored > budget:
+                                f"{pool.arena_size}-byte arena; create a larger pool")
+        if stored > pool.budget_bytes:
             raise EntryTooLarge(f"an entry of {stored} bytes ({len(tokens)} tokens) exceeds the pool's export "
-                                f"budget of {budget} bytes ({self._store.header.budget_reason}); raise the budget or "
+                                f"budget of {pool.budget_bytes} bytes ({pool.budget_reason}); raise the budget or "
                                 "store fewer tokens")
         with self._lock:
-            if self._closed:
-                raise PoolError(f"pool {self.name!r} is closed")
+            self._check_open()
+            header = msgspec.structs.replace(header, serial=self._take_serial(), meta_length=meta_length,
+                                             data_length=data_length, layout_length=len(layout_bytes),
+                                             data_offset=self._store.header.arena_size,
+                                             meta_offset=self._store.header.arena_size)
+            if not fits_entry_slot(header):
+                raise LayoutError("the entry header would not fit its slot; shorten the identity or tag")
             placed = self._make_room(stored, data_length, meta_length)
             if placed is None:
                 self._counters.refused += 1
                 return None
             slot, data_offset, meta_offset = placed
-            layout_check, tokens_check = self._store.write_meta(meta_offset, layout_bytes, tokens, capacity)
-            header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, self._next_serial, identity, len(tokens),
-                                 capacity, data_offset, data_length, meta_offset, meta_length, len(layout_bytes),
-                                 layout_check, tokens_check, 0,
-                                 float(len(tokens) if recompute_cost is None else recompute_cost), tag, time.time())
-            self._next_serial += 1
-            record = EntryRecord(slot, header, layout)
-            self._store.write_entry(record)
+            record = EntryRecord(slot, msgspec.structs.replace(header, data_offset=data_offset,
+                                                               meta_offset=meta_offset), layout)
+            try:
+                layout_check, tokens_check = self._store.write_meta(meta_offset, layout_bytes, tokens, capacity)
+                record.header = msgspec.structs.replace(record.header, layout_checksum=layout_check,
+                                                        tokens_checksum=tokens_check)
+                self._store.write_entry(record)
+            except BaseException:
+                self._store.release(record)
+                raise
             self._writing[header.serial] = record
             self._bytes_used += record.stored_bytes
-        return Writer(self, record, self._store.data(header), 0, len(tokens))
+        return Writer(self, record, self._store.data(record.header), 0, len(tokens))
+
+    def _take_serial(self) -> int:
+        """The next entry id; ids are reserved in the pool header in blocks, so none is reused
+        after a crash and an attach."""
+        serial = self._next_serial
+        if serial >= self._store.header.serial_limit:
+            self._store.write_pool_header(msgspec.structs.replace(self._store.header,
+                                                                  serial_limit=serial + SERIAL_BLOCK))
+        self._next_serial += 1
+        return serial
 
     def _make_room(self, stored: int, data_length: int, meta_length: int) -> tuple[int, int, int] | None:
         """(slot, data offset, meta offset) for a new entry, reclaiming slack, defragmenting and
@@ -445,7 +495,7 @@ class Pool:
         for length, allocate, need in ((data_length, store.allocate_data, store.data_need(data_length)),
                                        (meta_length, allocator.allocate, align_up(meta_length))):
             offset = allocate(length)
-            if offset is None and allocator.free_bytes >= need and self._defragment(need):
+            if offset is None and allocator.free_bytes >= need and self._defragment(need, offsets):
                 offset = allocate(length)
             if offset is None:
                 break
@@ -459,26 +509,27 @@ class Pool:
 
     def _commit(self, record: EntryRecord, live: int, data_checksum: int) -> EntryInfo:
         with self._lock:
-            header = record.header
+            old = record.header
             if record.extending:  # appended cells: the old header stays valid until this one is whole
-                tokens_check = checksum.digest([self._store.tokens(header, live)])
-                written = layouts.live_nbytes(record.layout, live) - record.live_bytes
-                record.header = msgspec.structs.replace(header, live=live, tokens_checksum=tokens_check,
-                                                        data_checksum=data_checksum,
-                                                        recompute_cost=record.pending_cost)
+                new = msgspec.structs.replace(old, live=live, data_checksum=data_checksum,
+                                              tokens_checksum=checksum.digest([self._store.tokens(old, live)]),
+                                              recompute_cost=record.pending_cost)
+            else:
+                new = msgspec.structs.replace(old, state=EntryState.READY, data_checksum=data_checksum)
+            self._store.write_header(record.slot, new)  # durable first; then the bookkeeping follows it
+            written = layouts.live_nbytes(record.layout, live) - (record.live_bytes if record.extending else 0)
+            record.header = new
+            if record.extending:
                 record.extending = False
                 self._counters.extends += 1
             else:
-                record.header = msgspec.structs.replace(header, state=EntryState.READY, data_checksum=data_checksum)
-                del self._writing[header.serial]
-                self._entries[header.serial] = record
+                del self._writing[new.serial]
+                self._entries[new.serial] = record
                 record.refcount = 1
-                written = record.live_bytes
                 self._counters.puts += 1
-            self._store.write_entry(record)
             record.last_used = next(self._clock)
             self._counters.bytes_written += written
-            self._prefix.add(record.id, header.identity, self._store.tokens(record.header))
+            self._prefix.add(record.id, new.identity, self._store.tokens(new))
             return record.info()
 
     def _abort(self, record: EntryRecord) -> None:
@@ -525,13 +576,24 @@ class Pool:
         self._counters.bytes_reclaimed += before - record.stored_bytes
         return before - record.stored_bytes
 
-    def _defragment(self, need: int) -> bool:
-        movable = [r for r in self._entries.values() if self._movable(r)]
-        fixed = [r for r in self._entries.values() if not self._movable(r)] + list(self._writing.values())
-        done, entries, moved = self._store.defragment(need, movable, fixed)
-        self._counters.relocations += entries
-        self._counters.bytes_moved += moved
-        return done
+    def _defragment(self, need: int, taken: Sequence[tuple[int, int]] = ()) -> bool:
+        """Move unpinned entries until a free run of `need` bytes exists. `taken` lists extents
+        allocated but not yet owned by an entry (they stay put)."""
+        while True:
+            movable = [r for r in self._entries.values() if self._movable(r)]
+            fixed = [r for r in self._entries.values() if not self._movable(r)] + list(self._writing.values())
+            try:
+                done, entries, moved = self._store.defragment(need, movable, fixed, taken)
+            except DataCorrupt as exc:  # found while moving it: drop it if nobody holds it, then go on
+                self._counters.corrupt_found += 1
+                record = self._entries[exc.entry_id]
+                if record.refcount:
+                    return False
+                self._evict(record)
+                continue
+            self._counters.relocations += entries
+            self._counters.bytes_moved += moved
+            return done
 
     def _recover(self) -> None:
         scan = self._store.recover()

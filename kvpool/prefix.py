@@ -7,7 +7,8 @@ it bounds the match. A hash is only a hint: every candidate's stored tokens are 
 request, and the match length is the exact common prefix. A hash collision can therefore cost a
 comparison, never return a wrong entry.
 
-Entries shorter than one block are kept in a per-identity list of short entries.
+Matches shorter than one block are found through the request's first token: every entry is also
+listed under (identity, its first token).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import xxhash
 
 BLOCK = 16
+SHORT_CANDIDATES = 64  # entries compared for a match shorter than one block
 
 
 class PrefixMatch(msgspec.Struct, frozen=True):
@@ -63,8 +65,8 @@ class PrefixIndex:
         self._tokens_of = tokens_of
         self._hasher = hasher
         self._by_hash: dict[tuple[str, int], set[int]] = defaultdict(set)
-        self._short: dict[str, set[int]] = defaultdict(set)
-        self._keys: dict[int, tuple[str, list[int]]] = {}
+        self._by_first: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self._keys: dict[int, tuple[str, int | None, list[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -73,9 +75,10 @@ class PrefixIndex:
         """List `entry_id` (holding `tokens` under `identity`)."""
         self.remove(entry_id)
         hashes = self._hasher(identity, tokens)
-        self._keys[entry_id] = (identity, hashes)
-        if not hashes:
-            self._short[identity].add(entry_id)
+        first = int(tokens[0]) if len(tokens) else None
+        self._keys[entry_id] = (identity, first, hashes)
+        if first is not None:
+            self._by_first[(identity, first)].add(entry_id)
         for value in hashes:
             self._by_hash[(identity, value)].add(entry_id)
 
@@ -84,8 +87,12 @@ class PrefixIndex:
         key = self._keys.pop(entry_id, None)
         if key is None:
             return
-        identity, hashes = key
-        self._short[identity].discard(entry_id)
+        identity, first, hashes = key
+        if first is not None:
+            holders = self._by_first[(identity, first)]
+            holders.discard(entry_id)
+            if not holders:
+                del self._by_first[(identity, first)]
         for value in hashes:
             holders = self._by_hash.get((identity, value))
             if holders is not None:
@@ -104,7 +111,11 @@ class PrefixIndex:
             # Nothing listed only at a shallower depth can share more than depth blocks + a tail.
             if best is not None and best.tokens >= (depth + 1) * BLOCK:
                 break
-            holders = self._by_hash.get((identity, hashes[depth - 1]), ()) if depth else self._short.get(identity, ())
+            if depth:
+                holders = self._by_hash.get((identity, hashes[depth - 1]), ())
+            else:  # shorter than a block: the newest entries starting with the same token
+                holders = sorted(self._by_first.get((identity, int(tokens[0])), ()) if len(tokens) else (),
+                                 reverse=True)[:SHORT_CANDIDATES]
             for entry_id in sorted(set(holders) - seen):
                 seen.add(entry_id)
                 if not usable(entry_id):

@@ -64,7 +64,7 @@ def check_entry(header: EntryHeader, arena: np.ndarray) -> Layout:
     """The entry's layout if every part of `header` can be trusted; LayoutError otherwise."""
     if header.version != FORMAT_VERSION:
         raise LayoutError(f"entry header of format version {header.version}, expected {FORMAT_VERSION}")
-    if not 0 < len(header.identity) <= MAX_TEXT or len(header.tag) > MAX_TEXT or header.serial <= 0:
+    if not 0 < len(header.identity.encode()) <= MAX_TEXT or len(header.tag.encode()) > MAX_TEXT or header.serial <= 0:
         raise LayoutError("identity, tag or serial out of range")
     if not 0 <= header.live <= header.capacity:
         raise LayoutError(f"live {header.live} outside 0..capacity {header.capacity}")

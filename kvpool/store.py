@@ -35,6 +35,7 @@ _FREE = EntryHeader(FORMAT_VERSION, EntryState.FREE, 0)
 # a page and MLX buffers at a page: data of large entries starts half a page in, far from both.
 LARGE_DATA_BYTES = 1 << 20
 COPY_PHASE = PAGE // 2
+DEFRAGMENT_ATTEMPTS = 4
 
 
 class Store:
@@ -70,6 +71,10 @@ class Store:
     def write_entry(self, record: EntryRecord) -> None:
         """Write `record.header` into its slot (the other half keeps the previous version)."""
         self._write_slot(record.slot, record.header)
+
+    def write_header(self, slot: int, header: EntryHeader) -> None:
+        """Write an entry header into `slot` (the other half keeps the previous version)."""
+        self._write_slot(slot, header)
 
     def _write_slot(self, slot: int, header: EntryHeader) -> None:
         self._slot_generation[slot] += 1
@@ -156,7 +161,7 @@ class Store:
         if found != old.data_checksum:
             self.allocator.free(data_offset, data_length)
             self.allocator.free(meta_offset, meta_length)
-            raise DataCorrupt(f"entry {record.id} fails its checksum while being moved; evict it")
+            raise DataCorrupt(f"entry {record.id} fails its checksum while being moved; evict it", record.id)
         layout_check, _ = self.write_meta(meta_offset, layout_bytes, self.tokens(old), capacity)
         record.header = msgspec.structs.replace(old, capacity=capacity, data_offset=data_offset,
                                                 data_length=data_length, meta_offset=meta_offset,
@@ -168,36 +173,59 @@ class Store:
         self.allocator.free(old.meta_offset, old.meta_length)
         return moved
 
-    def defragment(self, need: int, movable: Iterable[EntryRecord], fixed: Iterable[EntryRecord]) -> tuple[bool, int, int]:
-        """Move `movable` entries out of the way until one free run of `need` bytes exists.
-        (done, entries moved, bytes moved)."""
+    def defragment(self, need: int, movable: Iterable[EntryRecord], fixed: Iterable[EntryRecord],
+                   taken: Iterable[tuple[int, int]] = ()) -> tuple[bool, int, int]:
+        """Move `movable` entries out of the way until one free run of `need` bytes exists;
+        `fixed` entries and the `taken` (offset, length) extents stay where they are.
+        (done, entries moved, bytes moved). DataCorrupt if an entry fails its checksum on the way
+        (it is left where it was)."""
         by_id = {record.id: record for record in movable}
-        placed = [compaction.Placed(r.id, offset, align_up(length), r.id in by_id)
-                  for r in [*by_id.values(), *fixed]
-                  for offset, length in ((r.header.data_offset, r.header.data_length),
-                                         (r.header.meta_offset, r.header.meta_length))]
+        fixed = list(fixed)
+        taken = [compaction.Placed(None, offset, align_up(length), False) for offset, length in taken]
+        tried: set[int] = set()
         entries = moved_bytes = 0
-        for window in compaction.windows(placed, self.header.arena_size, need):
-            # Hold the window's free runs so that what is moved lands outside it.
-            end = window.start + need
-            held = [(max(o, window.start), min(o + n, end) - max(o, window.start))
-                    for o, n in self.allocator.free_extents() if o < end and o + n > window.start]
-            for offset, length in held:
-                self.allocator.take(offset, length)
-            inside = list(dict.fromkeys(window.keys))  # an entry's two extents may share a window
-            done = 0
-            for entry_id in inside:
-                record = by_id[entry_id]
+        for _ in range(DEFRAGMENT_ATTEMPTS):
+            placed = taken + [compaction.Placed(r.id, offset, align_up(length), r.id in by_id)
+                              for r in [*by_id.values(), *fixed]
+                              for offset, length in ((r.header.data_offset, r.header.data_length),
+                                                     (r.header.meta_offset, r.header.meta_length))]
+            window = next((w for w in compaction.windows(placed, self.header.arena_size, need) if w.start not in tried),
+                          None)
+            if window is None:
+                break
+            tried.add(window.start)
+            done, moved = self._clear_window(window.start, need, [by_id[k] for k in dict.fromkeys(window.keys)])
+            entries, moved_bytes = entries + done, moved_bytes + moved
+            if self.allocator.largest_free >= need:
+                return True, entries, moved_bytes
+        return False, entries, moved_bytes
+
+    def _clear_window(self, start: int, need: int, inside: list[EntryRecord]) -> tuple[int, int]:
+        """Relocate `inside` out of [start, start + need): the window's free space is held while
+        they move, including what each move frees, so nothing lands back in it."""
+        held: list[tuple[int, int]] = []
+
+        def hold_free_space_in_window() -> None:
+            end = start + need
+            for offset, length in self.allocator.free_extents():
+                if offset < end and offset + length > start:
+                    part = (max(offset, start), min(offset + length, end) - max(offset, start))
+                    self.allocator.take(*part)
+                    held.append(part)
+
+        done = moved_bytes = 0
+        try:
+            hold_free_space_in_window()
+            for record in inside:
                 moved = self.relocate(record, record.header.capacity)
                 if moved is None:
                     break
                 done, moved_bytes = done + 1, moved_bytes + moved
+                hold_free_space_in_window()
+        finally:
             for offset, length in held:
                 self.allocator.free(offset, length)
-            entries += done
-            if done == len(inside):
-                return True, entries, moved_bytes
-        return False, entries, moved_bytes
+        return done, moved_bytes
 
     # ----------------------------------------------------------------------------- attach and close
 
@@ -236,10 +264,19 @@ class Store:
 
 
 def read_pool_header(segment: Segment, name: str) -> tuple[PoolHeader, int]:
-    """The pool header and its generation, after checking version, owner and geometry."""
+    """The pool header of a mapped segment and its generation, checked (see parse_pool_header)."""
     if segment.size < POOL_HEADER_BYTES:
         raise PoolFormatError(f"segment {name!r} is {segment.size} bytes: too small to be a pool")
-    found = read_slot(segment.view(0, POOL_HEADER_BYTES))
+    # A copy of 4 KiB: an error raised while parsing must not keep a view of the mapping alive.
+    region = np.frombuffer(segment.view(0, POOL_HEADER_BYTES).tobytes(), dtype=np.uint8)
+    return parse_pool_header(region, segment.size, name)
+
+
+def parse_pool_header(region: np.ndarray, segment_size: int, name: str) -> tuple[PoolHeader, int]:
+    """The pool header in `region` (the first POOL_HEADER_BYTES of a segment of `segment_size`
+    bytes) and its generation, after checking version, owner and geometry; nothing beyond the
+    region is read here, and nothing the geometry names lies outside the segment."""
+    found = read_slot(region)
     remove = f"remove it with `python -m kvpool rm {name}`"
     if found is None:
         raise PoolCorrupt(f"pool {name!r}: both copies of the pool header are unreadable; the segment cannot be "
@@ -255,9 +292,9 @@ def read_pool_header(segment: Segment, name: str) -> tuple[PoolHeader, int]:
     if header.uid != os.getuid():
         raise PoolFormatError(f"pool {name!r} was created by uid {header.uid}, not this user ({os.getuid()})")
     table_end = header.slot_table_offset + header.slot_count * header.slot_size
-    if (header.size != segment.size or header.name != name or header.slot_size != ENTRY_SLOT_BYTES
-            or header.slot_table_offset < POOL_HEADER_BYTES or table_end > header.arena_offset
+    if (header.size != segment_size or header.name != name or header.slot_size != ENTRY_SLOT_BYTES
+            or header.slot_count <= 0 or header.slot_table_offset < POOL_HEADER_BYTES or table_end > header.arena_offset
             or header.arena_offset % PAGE or header.arena_size % ALIGN or header.arena_size <= 0
-            or header.arena_offset + header.arena_size > segment.size or header.budget_bytes < 0):
+            or header.arena_offset + header.arena_size > segment_size or header.budget_bytes < 0):
         raise PoolCorrupt(f"pool {name!r}: the pool header's geometry does not match the segment; {remove}")
     return header, generation

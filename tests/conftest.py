@@ -11,8 +11,15 @@ import itertools
 import os
 
 import pytest
+from hypothesis import settings
 
 from kvpool import Budget, Pool, segment
+
+# CI explores the same examples every run, so a red build always means a change broke something;
+# elsewhere each run explores new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 _names = itertools.count()
 
