@@ -40,6 +40,7 @@ from kvpool.store import POOL_HEADER_BYTES, Store, read_pool_header
 SLACK_RATIO = 0.25  # reclaim an entry's slack once it is a quarter of what the entry reserves
 SLACK_MIN_BYTES = 64 << 10
 SERIAL_BLOCK = 1024  # entry ids are reserved in the pool header this many at a time
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
 def default_max_entries(size_bytes: int) -> int:
@@ -51,7 +52,7 @@ def _tokens(tokens) -> np.ndarray:
     array = np.asarray(tokens)
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
         raise LayoutError(f"tokens must be a 1-D sequence of integers, got shape {array.shape} {array.dtype}")
-    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+    if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
         raise LayoutError("token ids must fit in int32")
     return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)
 
