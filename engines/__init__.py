@@ -1,4 +1,5 @@
 """Engine adapters: one per runtime, speaking superfluid's small Engine protocol.
 
-Adapters arrive with the llama.cpp and MLX issues; this package depends on kvpool only.
+`engines.registry` maps runtime ids to adapters; each adapter lives in its own package
+(`engines.llamacpp`, ...) and uses `kvpool` only for its types.
 """

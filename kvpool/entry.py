@@ -106,6 +106,7 @@ class EntryView:
         self._data = data
         self.info = record.info()
         self.tokens = _read_only(tokens)
+        self.verified = False  # set once the live bytes have matched their checksum
         self._closed = False
 
     @property
@@ -134,6 +135,7 @@ class EntryView:
         if found != self._header.data_checksum:
             raise DataCorrupt(f"entry {self.info.id} ({self.info.tag or 'untagged'}): stored bytes fail their "
                               "checksum; evict it and recompute its tokens", self.info.id)
+        self.verified = True
 
     def read_into(self, destinations: Mapping[str, np.ndarray]) -> int:
         """Copy each array's live cells into `destinations[name]` (same shape), verifying the
@@ -157,6 +159,7 @@ class EntryView:
         if found != self._header.data_checksum:
             raise DataCorrupt(f"entry {self.info.id}: bytes read fail their checksum; evict it and recompute",
                               self.info.id)
+        self.verified = True
         return copied
 
     def close(self) -> None:

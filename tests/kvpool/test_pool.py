@@ -32,7 +32,9 @@ def test_read_into_is_one_counted_copy(make_pool):
     before = pool.stats().bytes_copied
     targets = {a.name: np.empty_like(a.data) for a in arrays}
     with pool.get(info.id, verify=False) as view:
+        assert not view.verified
         assert view.read_into(targets) == info.live_bytes
+        assert view.verified
     assert all(np.array_equal(targets[a.name], a.data) for a in arrays)
     assert pool.stats().bytes_copied - before == info.live_bytes
 

@@ -1,0 +1,99 @@
+"""The Engine protocol every runtime adapter implements, and the small types it speaks.
+
+An engine holds a model and its live KV cache, with several sequences in it. The host drives it
+from one thread (the scheduler thread that created it): it steps sequences forward, forks and
+truncates them, and parks their KV in the pool (`export`) or brings it back (`import_`). Each
+engine declares what one `step` can pack, so the scheduler plans within it:
+
+    llama.cpp  prefill chunks and decode tokens of many sequences in one forward
+    mlx-lm     decode of many sequences in one forward; prefill apart; lanes joining or
+               leaving a batch copy their KV (declared, so the copies can be counted)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+from kvpool import Device, EntryInfo, EntryView, Pool
+from kvpool.pricing import ModelKV
+
+
+class Packing(msgspec.Struct, frozen=True):
+    """What one `step` can hold."""
+
+    mixes_prefill_and_decode: bool  # prefill chunks and decode tokens in one forward
+    max_tokens: int  # tokens per step, all sequences together
+    max_sequences: int  # sequences alive at once
+    copies_on_lane_change: bool  # a sequence joining or leaving a batch copies KV
+
+
+class Descriptor(msgspec.Struct, frozen=True):
+    """What a loaded engine is: runtime, identity, KV shape and price, limits, vocabulary."""
+
+    runtime: str
+    runtime_version: str
+    identity: str  # digest of the weights and every setting that changes what the KV means
+    model_kv: ModelKV
+    cell_price: int  # bytes of KV per token, from the model's shape and cache types
+    context_length: int  # cells in the engine's KV cache, all sequences together
+    vocab_size: int
+    packing: Packing
+    device: Device
+    bos_token: int | None
+    eos_tokens: tuple[int, ...]
+    chat_template: str | None
+
+
+class StepRequest(NamedTuple):
+    """Tokens to append to one sequence in a step, and which logits to return for them."""
+
+    seq: int
+    tokens: Sequence[int]
+    logits: str = "last"  # "last", "all" or "none"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The primitive runtime: what the host needs from llama.cpp, MLX, or anything else."""
+
+    def describe(self) -> Descriptor:
+        """The engine's descriptor (fixed once loaded)."""
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text` (special tokens in the text are parsed when `special`)."""
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of `tokens` (bytes: a character may be split across tokens)."""
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence id (NoRoom when all are in use)."""
+
+    def free_sequence(self, seq: int) -> None:
+        """Drop a sequence and its KV."""
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing `seq`'s KV (no bytes copied where the runtime can share)."""
+
+    def truncate(self, seq: int, tokens: int) -> None:
+        """Keep the first `tokens` positions of `seq`."""
+
+    def length(self, seq: int) -> int:
+        """Positions held by `seq`."""
+
+    def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
+        """One forward over several sequences; per request, its logits (rows, vocab) or None."""
+
+    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
+               recompute_cost: float | None = None) -> EntryInfo | None:
+        """Write `seq`'s KV (covering `tokens`) straight into a new pool entry; None if the pool
+        has no room."""
+
+    def import_(self, seq: int, view: EntryView) -> int:
+        """Replace `seq`'s KV with a pool entry's; the positions restored."""
+
+    def close(self) -> None:
+        """Free the model and its context."""

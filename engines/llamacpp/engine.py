@@ -1,0 +1,365 @@
+"""llama.cpp in the application's process: one model, one context, several sequences in one
+unified KV cache, and their state moved to and from the pool with exactly one copy each way.
+
+Everything here calls llama.cpp from the thread that created the engine and from no other: on
+the portable build a second calling thread makes every decode step about three times slower
+(FACTS.md). Calls from another thread raise WrongThread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines import identity as identities
+from engines.base import Descriptor, Packing, StepRequest
+from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError,
+                            WrongThread)
+from engines.llamacpp import blob, library, settings
+from engines.options import OptionSpec
+from kvpool import Device, EntryInfo, EntryView, Pool, pricing
+
+RUNTIME = "llamacpp"
+CANARY_TOKENS = 8
+
+
+def resolve_device(n_gpu_layers: int, offload_supported: bool, gpu_name: str = "gpu",
+                   gpu_free_bytes: int | None = None) -> Device:
+    """Where the model's layers and live KV end up: the CPU unless layers are offloaded to a
+    device this build supports (whose reported free memory then bounds the export budget)."""
+    if n_gpu_layers == 0 or not offload_supported:
+        return Device()
+    return Device("gpu", gpu_name, gpu_free_bytes)
+
+
+class LlamaCppEngine:
+    """A GGUF model loaded through llama-cpp-python's low-level API (not its `Llama` class)."""
+
+    runtime = RUNTIME
+
+    @classmethod
+    def options(cls) -> tuple[OptionSpec, ...]:
+        """The options this runtime takes, with shapes, defaults and help."""
+        return settings.OPTIONS
+
+    def __init__(self, model_path: str | Path, **options: Any) -> None:
+        """Load `model_path` with `options` (checked before anything loads)."""
+        self._owner = threading.get_ident()
+        self._values = settings.check(options)
+        self._lib = library.load()
+        self._api = api = self._lib.api
+        path = Path(model_path)
+        if not path.is_file():
+            raise ModelLoadError(f"no model file at {path}")
+        model_params, self._keep_alive = settings.model_params(api, self._values)
+        self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {path}: is it a GGUF model this llama.cpp "
+                                 f"({self._lib.version}) supports?")
+        self._ctx = None
+        self._batch = None
+        try:
+            self._open_context(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_context(self, path: Path) -> None:
+        api, values = self._api, self._values
+        n_ctx = values["n_ctx"] or api.llama_model_n_ctx_train(self._model)
+        self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx))
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells for {path}; "
+                                 "lower n_ctx, or check the cache types and flash_attn")
+        self._n_ctx = api.llama_n_ctx(self._ctx)
+        self._vocab = api.llama_model_get_vocab(self._model)
+        self._n_vocab = api.llama_vocab_n_tokens(self._vocab)
+        self._memory = self._lib.memory
+        self._mem = self._memory.handle(self._ctx)
+        self._n_batch = values["batch_size"]
+        self._batch = api.llama_batch_init(self._n_batch, 0, 1)
+        self._tokens_in = np.ctypeslib.as_array(self._batch.token, shape=(self._n_batch,))
+        self._pos_in = np.ctypeslib.as_array(self._batch.pos, shape=(self._n_batch,))
+        self._logits_in = np.ctypeslib.as_array(self._batch.logits, shape=(self._n_batch,))
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._n_batch,))[:] = 1
+        self._seq_slots = [self._batch.seq_id[i] for i in range(self._n_batch)]
+        self._slot_seq = [-1] * self._n_batch
+        self._free_seqs = list(range(values["n_seq_max"]))
+        self._lengths: dict[int, int] = {}
+        self._pieces: dict[int, bytes] = {}
+        self._model_kv = self._read_model_kv()
+        self._expected = self._expected_blob()
+        self._descriptor = self._describe(path)
+        self._canary()
+
+    # ----------------------------------------------------------------------------- description
+
+    def _meta(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(256)
+        n = self._api.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode() if n >= 0 else None
+
+    def _read_model_kv(self) -> pricing.ModelKV:
+        api, values = self._api, self._values
+        layers = api.llama_model_n_layer(self._model)
+        heads = api.llama_model_n_head(self._model)
+        kv_heads = api.llama_model_n_head_kv(self._model)
+        arch = self._meta("general.architecture") or "llama"
+        key_width = int(self._meta(f"{arch}.attention.key_length") or api.llama_model_n_embd(self._model) // heads)
+        value_width = int(self._meta(f"{arch}.attention.value_length") or key_width)
+        return pricing.uniform(layers, kv_heads, key_width, values["cache_type_k"],
+                               value_type=values["cache_type_v"], value_width=value_width)
+
+    def _expected_blob(self) -> blob.Expected:
+        layer = self._model_kv.layers[0]
+        k_type, v_type = (settings.CACHE_TYPES[self._values[k]] for k in ("cache_type_k", "cache_type_v"))
+        v_values = layer.kv_heads * layer.value_width
+        v_elem = pricing.CACHE_TYPES[layer.value_type][1]  # transposed V is never block-quantized
+        return blob.Expected(len(self._model_kv.layers), k_type, v_type,
+                             pricing.row_bytes(layer.key_type, layer.kv_heads * layer.key_width),
+                             pricing.row_bytes(layer.value_type, v_values), v_elem, v_values,
+                             not self._values["flash_attn"], self._n_ctx)
+
+    def _describe(self, path: Path) -> Descriptor:
+        api, values = self._api, self._values
+        template = api.llama_model_chat_template(self._model, None)
+        bos = api.llama_vocab_bos(self._vocab) if api.llama_vocab_get_add_bos(self._vocab) else None
+        eos = tuple(sorted({t for t in (api.llama_vocab_eos(self._vocab), api.llama_vocab_eot(self._vocab)) if t >= 0}))
+        settings_used = {name: values[name] for name in settings.IDENTITY_OPTIONS} | {"kv_unified": True}
+        identity = identities.compose(RUNTIME, identities.file_digest(path), self._lib.version, settings_used)
+        device = resolve_device(values["n_gpu_layers"], bool(api.llama_supports_gpu_offload()))
+        packing = Packing(mixes_prefill_and_decode=True, max_tokens=self._n_batch,
+                          max_sequences=values["n_seq_max"], copies_on_lane_change=False)
+        return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
+                          pricing.bytes_per_token(self._model_kv), self._n_ctx, self._n_vocab, packing, device,
+                          bos, eos, template.decode() if template else None)
+
+    def _canary(self) -> None:
+        """A multi-token batch through the model before anyone relies on it: a build that
+        returns garbage here (the native build's fault on these CPUs) is refused now."""
+        seq = self.new_sequence()
+        try:
+            tokens = [t % self._n_vocab for t in range(1, CANARY_TOKENS + 1)]
+            logits = self.step([StepRequest(seq, tokens, "all")])[0]
+            if not np.isfinite(logits).all():
+                raise RuntimeUnavailable(f"llama.cpp {self._lib.version} returns non-finite logits for a "
+                                         f"{CANARY_TOKENS}-token batch on this machine; rebuild it portable: "
+                                         f"{library.INSTALL}")
+        finally:
+            self.free_sequence(seq)
+
+    def describe(self) -> Descriptor:
+        """What this engine is (fixed once loaded)."""
+        return self._descriptor
+
+    @property
+    def library_version(self) -> str:
+        """The llama-cpp-python release driving this engine."""
+        return self._lib.version
+
+    # ----------------------------------------------------------------------------- text
+
+    def tokenize(self, text: str, *, special: bool = True, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it are parsed when `special`."""
+        self._check_thread()
+        data = text.encode()
+        capacity = len(data) + 8
+        while True:
+            buffer = (self._api.llama_token * capacity)()
+            n = self._api.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
+            if n >= 0:
+                return list(buffer[:n])
+            capacity = -n
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of `tokens`, special tokens rendered."""
+        self._check_thread()
+        return b"".join(self._piece(int(t)) for t in tokens)
+
+    def _piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self._n_vocab:
+                raise EngineError(f"token {token} is outside the vocabulary of {self._n_vocab}")
+            buffer = ctypes.create_string_buffer(64)
+            n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            if n < 0:
+                buffer = ctypes.create_string_buffer(-n)
+                n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            piece = self._pieces[token] = buffer.raw[:n]
+        return piece
+
+    # ----------------------------------------------------------------------------- sequences
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence (NoRoom once n_seq_max are alive)."""
+        self._check_thread()
+        if not self._free_seqs:
+            raise NoRoom(f"all {self._values['n_seq_max']} sequences are in use; free one or raise n_seq_max")
+        seq = heapq.heappop(self._free_seqs)
+        self._lengths[seq] = 0
+        return seq
+
+    def free_sequence(self, seq: int) -> None:
+        """Drop `seq` and its cells."""
+        self._length(seq)
+        self._memory.seq_rm(self._mem, seq, -1, -1)
+        del self._lengths[seq]
+        heapq.heappush(self._free_seqs, seq)
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing `seq`'s cells: llama.cpp tags them with a second sequence id
+        in its unified cache; no KV bytes move."""
+        length = self._length(seq)
+        child = self.new_sequence()
+        self._memory.seq_cp(self._mem, seq, child, -1, -1)
+        self._lengths[child] = length
+        return child
+
+    def truncate(self, seq: int, tokens: int) -> None:
+        """Keep the first `tokens` positions of `seq`."""
+        length = self._length(seq)
+        if not 0 <= tokens <= length:
+            raise EngineError(f"cannot keep {tokens} tokens of a sequence of {length}")
+        if not self._memory.seq_rm(self._mem, seq, tokens, -1):
+            raise EngineError(f"llama.cpp cannot cut sequence {seq} at {tokens} (a recurrent model?); "
+                              "recompute it from its tokens instead")
+        self._lengths[seq] = tokens
+
+    def length(self, seq: int) -> int:
+        """Positions held by `seq`."""
+        return self._length(seq)
+
+    def _length(self, seq: int) -> int:
+        self._check_thread()
+        try:
+            return self._lengths[seq]
+        except KeyError:
+            raise EngineError(f"no sequence {seq} in this engine") from None
+
+    # ----------------------------------------------------------------------------- forward
+
+    def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
+        """One forward over several sequences (split into llama_decode calls of at most
+        batch_size tokens); per request, its logits rows (float32, copied) or None."""
+        self._check_thread()
+        plan = []  # (request index, seq, token, position, wants logits)
+        for index, request in enumerate(requests):
+            start = self._length(request.seq)
+            count = len(request.tokens)
+            if start + count > self._n_ctx:
+                raise NoRoom(f"sequence {request.seq} would reach {start + count} positions; the context holds "
+                             f"{self._n_ctx} (n_ctx)")
+            for offset, token in enumerate(request.tokens):
+                wants = request.logits == "all" or (request.logits == "last" and offset == count - 1)
+                plan.append((index, request.seq, int(token), start + offset, wants))
+        results: list[list[np.ndarray]] = [[] for _ in requests]
+        for chunk_start in range(0, len(plan), self._n_batch):
+            self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
+        return [np.stack(rows) if rows else None for rows in results]
+
+    def _decode(self, chunk: list[tuple], results: list[list[np.ndarray]]) -> None:
+        n = len(chunk)
+        indices, seqs, tokens, positions, wants = zip(*chunk)
+        self._tokens_in[:n] = tokens
+        self._pos_in[:n] = positions
+        self._logits_in[:n] = wants
+        for slot, seq in enumerate(seqs):
+            if self._slot_seq[slot] != seq:
+                self._seq_slots[slot][0] = seq
+                self._slot_seq[slot] = seq
+        self._batch.n_tokens = n
+        status = self._api.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            self._resync_lengths(set(seqs))
+            if status == 1:
+                raise NoRoom(f"llama.cpp found no room in its KV cache for {n} tokens (n_ctx {self._n_ctx}); "
+                             "free or truncate sequences, or raise n_ctx")
+            raise EngineError(f"llama_decode failed with status {status}")
+        for slot in range(n):
+            self._lengths[seqs[slot]] = positions[slot] + 1
+            if wants[slot]:
+                row = self._api.llama_get_logits_ith(self._ctx, slot)
+                results[indices[slot]].append(np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy())
+
+    def _resync_lengths(self, seqs: set[int]) -> None:
+        for seq in seqs:
+            self._lengths[seq] = self._memory.seq_pos_max(self._mem, seq) + 1
+
+    # ----------------------------------------------------------------------------- pool
+
+    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
+               recompute_cost: float | None = None) -> EntryInfo | None:
+        """Write `seq`'s state straight into a new pool entry: llama.cpp serialises into the
+        shared-memory view (the one copy). None when the pool has no room."""
+        length = self._length(seq)
+        if len(tokens) != length:
+            raise EngineError(f"sequence {seq} holds {length} positions but {len(tokens)} tokens were given")
+        size = self._api.llama_state_seq_get_size(self._ctx, seq)
+        writer = pool.reserve_blob(self._descriptor.identity, tokens, size, tag=tag, recompute_cost=recompute_cost)
+        if writer is None:
+            return None
+        with writer:
+            target = writer.blob
+            written = self._api.llama_state_seq_get_data(self._ctx, target.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                         size, seq)
+            if written != size:
+                raise StateError(f"llama.cpp wrote {written} of {size} state bytes for sequence {seq}")
+            return writer.commit()
+
+    def import_(self, seq: int, view: EntryView) -> int:
+        """Replace `seq`'s state with a pool entry's: identity first, then the checksum, then the
+        blob's structure, and only then llama.cpp reads it (from pool memory: the one copy).
+        On any refusal `seq` is left empty. Returns the positions restored."""
+        self._length(seq)
+        if view.info.identity != self._descriptor.identity:
+            raise IdentityMismatch(f"pool entry {view.info.id} was written by {view.info.identity}; this engine is "
+                                   f"{self._descriptor.identity} (other weights, cache types or settings)")
+        self._memory.seq_rm(self._mem, seq, -1, -1)
+        self._lengths[seq] = 0
+        if not view.verified:
+            view.verify()
+        state = view.blob
+        cells = blob.check(state, self._expected)
+        if cells != view.info.tokens:
+            raise StateError(f"pool entry {view.info.id} holds {cells} cells but claims {view.info.tokens} tokens")
+        read = self._api.llama_state_seq_set_data(self._ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                  state.nbytes, seq)
+        if read == 0:
+            self._memory.seq_rm(self._mem, seq, -1, -1)
+            raise NoRoom(f"llama.cpp needs {cells} contiguous free cells to restore pool entry {view.info.id} and "
+                         "has not got them; free or truncate sequences, or raise n_ctx")
+        self._lengths[seq] = cells
+        return cells
+
+    # ----------------------------------------------------------------------------- lifetime
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise WrongThread("a llama.cpp engine is called only from the thread that created it "
+                              "(a second calling thread slows every step threefold); hand the work to that thread")
+
+    def close(self) -> None:
+        """Free the batch, the context and the model (idempotent)."""
+        api = self._api
+        if self._batch is not None:
+            api.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            api.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            api.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaCppEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

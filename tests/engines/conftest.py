@@ -1,0 +1,25 @@
+"""Fixtures for engine tests: tiny models built once per session, engines closed after use."""
+
+import pytest
+
+from tests import tinymodels
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """quant -> TinyModel, for f32, f16, q8_0 and q4_0 weights (the same random weights)."""
+    directory = tmp_path_factory.mktemp("tiny")
+    return {quant: tinymodels.build(directory, quant) for quant in ("f32", "f16", "q8_0", "q4_0")}
+
+
+@pytest.fixture
+def pool(make_pool):
+    """A 64 MiB pool for engine state."""
+    return make_pool(64 << 20, max_entries=256)
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory):
+    """A tiny model whose heads are 64 wide: quantized KV caches need whole 32-value blocks per head."""
+    config = tinymodels.TinyConfig(hidden=128, heads=2, kv_heads=1, intermediate=256)
+    return tinymodels.build(tmp_path_factory.mktemp("wide"), "f32", config)

@@ -1,0 +1,154 @@
+"""Tiny random-weight models built at test time, with no network.
+
+A byte-level BPE tokenizer is trained with `tokenizers` on a few lines of text; a llama-architecture
+model (hidden 64, 2 layers, 4 heads, 2 KV heads) gets random weights from a seed; the same
+weights are written as GGUF (f32, f16, q8_0 or q4_0) for llama.cpp. Building one takes well under
+a second. The vocabulary and merges go into the GGUF, so llama.cpp tokenizes and detokenizes
+exactly as the trained tokenizer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "A quick brown fox jumps over the lazy dog, and the dog sleeps.",
+    "superfluid keeps KV state in a shared pool so sessions fork for free.",
+    "Once upon a time there was a tiny model that knew very little.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Unicode: café, naïve, 東京, 🙂.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """The shape of a tiny llama model."""
+
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    context: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass
+class TinyModel:
+    """Paths and weights of a built tiny model."""
+
+    gguf: Path
+    config: TinyConfig
+    vocab: list[str]
+    merges: list[str]
+    weights: dict[str, np.ndarray] = field(repr=False)
+
+
+def train_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on CORPUS, with the ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tokenizer
+
+
+def random_weights(config: TinyConfig, vocab: int) -> dict[str, np.ndarray]:
+    """Random llama weights under their GGUF names (numpy row-major shapes)."""
+    rng = np.random.default_rng(config.seed)
+    h, hd, ff = config.hidden, config.head_dim, config.intermediate
+
+    def matrix(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (scale or cols ** -0.5)).astype(np.float32)
+
+    weights = {"token_embd.weight": matrix(vocab, h, 1.0), "output_norm.weight": np.ones(h, np.float32),
+               "output.weight": matrix(vocab, h)}
+    for i in range(config.layers):
+        weights.update({
+            f"blk.{i}.attn_norm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+            f"blk.{i}.attn_q.weight": matrix(config.heads * hd, h),
+            f"blk.{i}.attn_k.weight": matrix(config.kv_heads * hd, h),
+            f"blk.{i}.attn_v.weight": matrix(config.kv_heads * hd, h),
+            f"blk.{i}.attn_output.weight": matrix(h, config.heads * hd),
+            f"blk.{i}.ffn_norm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+            f"blk.{i}.ffn_gate.weight": matrix(ff, h),
+            f"blk.{i}.ffn_up.weight": matrix(ff, h),
+            f"blk.{i}.ffn_down.weight": matrix(h, ff),
+        })
+    return weights
+
+
+def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()) -> TinyModel:
+    """Write `directory/tiny-<quant>.gguf` and return what was built."""
+    import gguf
+
+    tokenizer = train_tokenizer()
+    vocab_map = tokenizer.get_vocab()
+    vocab = [token for token, _ in sorted(vocab_map.items(), key=lambda item: item[1])]
+    merges = [" ".join(pair) for pair in _merges(tokenizer)]
+    weights = random_weights(config, len(vocab))
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"tiny-{quant}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"superfluid-tiny-{quant}")
+    writer.add_context_length(config.context)
+    writer.add_embedding_length(config.hidden)
+    writer.add_block_count(config.layers)
+    writer.add_feed_forward_length(config.intermediate)
+    writer.add_head_count(config.heads)
+    writer.add_head_count_kv(config.kv_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_vocab_size(len(vocab))
+    writer.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[quant])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([3 if token in SPECIALS else 1 for token in vocab])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab_map["<|endoftext|>"])
+    writer.add_eos_token_id(vocab_map["<|im_end|>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    for name, array in weights.items():
+        _add_tensor(writer, gguf, name, array, quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return TinyModel(path, config, vocab, merges, weights)
+
+
+def _add_tensor(writer, gguf, name: str, array: np.ndarray, quant: str) -> None:
+    if array.ndim == 1 or quant == "f32":
+        writer.add_tensor(name, array.astype(np.float32))
+    elif quant == "f16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def _merges(tokenizer) -> list[tuple[str, str]]:
+    import json
+
+    model = json.loads(tokenizer.to_str())["model"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
