@@ -21,7 +21,7 @@ from engines import identity as identities
 from engines.base import Descriptor, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError,
                             WrongThread)
-from engines.llamacpp import blob, library, settings
+from engines.llamacpp import blob, canary, library, settings
 from engines.options import OptionSpec
 from kvpool import Device, EntryInfo, EntryView, Pool, pricing
 
@@ -57,6 +57,7 @@ class LlamaCppEngine:
         path = Path(model_path)
         if not path.is_file():
             raise ModelLoadError(f"no model file at {path}")
+        canary.ensure(path)  # a build that crashes on this model does so in a child, not here
         model_params, self._keep_alive = settings.model_params(api, self._values)
         self._model = api.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:

@@ -1,0 +1,105 @@
+"""The pieces around the llama.cpp adapter: library names, devices, the canary, the registry."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from engines import registry
+from engines.errors import OptionError, RuntimeUnavailable
+from engines.llamacpp import canary, library
+from engines.llamacpp.engine import LlamaCppEngine, resolve_device
+from engines.options import OptionSpec, validate
+from kvpool import export_budget
+
+GiB = 1 << 30
+
+
+def _api(prefix, handle=None):
+    functions = {prefix + name: (lambda *args, name=name: name) for name in
+                 ("seq_rm", "seq_cp", "seq_keep", "seq_pos_max", "clear")}
+    if handle:
+        functions[handle] = lambda ctx: ("memory of", ctx)
+    return SimpleNamespace(**functions)
+
+
+def test_memory_names_resolve_for_both_generations():
+    newest = library.resolve_memory(_api("llama_memory_", "llama_get_memory"))
+    assert newest.naming == "llama_memory_*" and newest.handle("ctx") == ("memory of", "ctx")
+    older = library.resolve_memory(_api("llama_kv_self_"))
+    assert older.naming == "llama_kv_self_*" and older.handle("ctx") == "ctx"
+    assert older.seq_cp() == "seq_cp"
+
+
+def test_a_release_without_known_names_is_refused_by_version():
+    with pytest.raises(RuntimeUnavailable, match="0.3.36") as caught:
+        library.resolve_memory(_api("llama_kv_cache_"))
+    assert "CMAKE_ARGS" in str(caught.value)
+
+
+def test_the_installed_release_is_the_tested_one():
+    loaded = library.load()
+    assert loaded.version == "0.3.36" and loaded.tested and loaded.memory.naming == "llama_memory_*"
+
+
+def test_devices_and_their_budgets():
+    assert resolve_device(0, True).is_cpu
+    assert resolve_device(99, False).is_cpu  # a CPU-only build ignores offload requests
+    gpu = resolve_device(-1, True, "cuda:0", 6 * GiB)
+    assert not gpu.is_cpu and gpu.free_bytes == 6 * GiB
+    assert export_budget(resolve_device(0, True), 4 * GiB, 20 * GiB).bytes == 4 * GiB
+    assert export_budget(gpu, 16 * GiB, 20 * GiB, headroom=GiB).bytes == 5 * GiB
+    silent = export_budget(resolve_device(-1, True, "cuda:0", None), 16 * GiB, 20 * GiB, headroom=GiB)
+    assert silent.bytes == 0 and "headroom" in silent.reason
+
+
+def test_canary_reports_a_crashing_build(tmp_path, tiny_models):
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    model = tmp_path / "other.gguf"
+    model.write_bytes(tiny_models["q8_0"].gguf.read_bytes() + b"\0")  # a model not yet checked
+    with pytest.raises(RuntimeUnavailable, match="crashed \\(SIGSEGV\\).*CMAKE_ARGS"):
+        canary.ensure(model, crash)
+    assert not canary.passed_marker(model).exists()
+    with pytest.raises(RuntimeUnavailable, match="boom"):
+        canary.ensure(model, [sys.executable, "-c", "import sys; sys.exit('boom')"])
+
+
+def test_canary_passes_once_and_is_remembered(tmp_path, tiny_models):
+    model = tmp_path / "again.gguf"
+    model.write_bytes(tiny_models["f16"].gguf.read_bytes() + b"\0\0")
+    canary.ensure(model)
+    assert canary.passed_marker(model).exists()
+    canary.ensure(model, [sys.executable, "-c", "raise SystemExit(3)"])  # not run again
+    canary.passed_marker(model).unlink()
+
+
+def test_registry():
+    assert registry.runtime_for("models/x.GGUF") == "llamacpp"
+    assert registry.adapter("llamacpp") is LlamaCppEngine
+    status = registry.status("llamacpp")
+    assert status.installed_version == "0.3.36" and status.tested
+    with pytest.raises(RuntimeUnavailable, match="unknown runtime 'vllm'"):
+        registry.get("vllm")
+    with pytest.raises(RuntimeUnavailable, match="no runtime loads"):
+        registry.runtime_for("model.bin")
+
+
+def test_option_validation_converts_command_line_text():
+    specs = [OptionSpec("n", "int", 1, "a count", minimum=0), OptionSpec("on", "bool", False, "a switch"),
+             OptionSpec("split", "floats", None, "shares"), OptionSpec("x", "float", 0.5, "a scale", maximum=1)]
+    typed = validate("demo", specs, {"n": "12", "on": "yes", "split": "3,1"})
+    assert typed == {"n": 12, "on": True, "split": (3.0, 1.0), "x": 0.5}
+    for values, message in (({"n": "-1"}, ">= 0"), ({"x": 2}, "<= 1"), ({"on": 2}, "true or false"),
+                            ({"n": True}, "whole number")):
+        with pytest.raises(OptionError, match=message):
+            validate("demo", specs, values)
+
+
+def test_every_declared_llamacpp_option_has_help_and_a_valid_default():
+    names = {spec.name for spec in LlamaCppEngine.options()}
+    assert {"threads", "n_ctx", "n_seq_max", "cache_type_k", "cache_type_v", "flash_attn", "swa_full",
+            "rope_freq_base", "yarn_orig_ctx", "tensor_split", "split_mode", "kv_offload", "op_offload"} <= names
+    assert all(spec.help for spec in LlamaCppEngine.options())
+    from engines.llamacpp import settings
+
+    assert settings.check({})["cache_type_k"] == "f16"
