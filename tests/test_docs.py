@@ -17,7 +17,10 @@ def test_there_are_samples():
     assert SAMPLES
 
 
-@pytest.mark.parametrize("path, index, code", SAMPLES, ids=[f"{p.name}-{i}" for p, i, _ in SAMPLES])
+@pytest.mark.parametrize("path, index, code", [
+    pytest.param(p, i, code, id=f"{p.name}-{i}",
+                 marks=[pytest.mark.real_model] if "default_model()" in code else [])
+    for p, i, code in SAMPLES])
 def test_sample_runs(path, index, code):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, f"{path.name} sample {index} failed:\n{done.stderr}"
