@@ -35,8 +35,9 @@ class RuntimeStatus(msgspec.Struct, frozen=True):
 
 
 RUNTIMES: dict[str, Runtime] = {
-    "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python", ("0.3.36",),
-                        "a GGUF file"),
+    # Newest first; the first is what scripts/setup installs, the others CI also tests.
+    "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python",
+                        ("0.3.36", "0.3.16"), "a GGUF file"),
 }
 
 

@@ -4,7 +4,8 @@ llama.cpp trusts a blob handed to `llama_state_seq_set_data`; a corrupt one can 
 GGML_ASSERT and abort the whole process before any bounds check. So every blob is walked here
 first, against the layout this engine expects (llama.cpp 0.3.36's KV cache format):
 
-    u32 magic 0xaf143cd8 | i32 seq_id | u32 n_stream
+    [u32 magic 0xaf143cd8 | i32 seq_id]     (releases since late 2025; probed at load)
+    u32 n_stream
     per stream:  u32 cell_count
                  cell_count x (i32 pos | u32 n_seq_id | n_seq_id x i32 seq_id)
                  u32 v_trans | u32 n_layer
@@ -38,11 +39,13 @@ class Expected(NamedTuple):
     v_embd: int  # V values per cell per layer (transposed V)
     v_trans: bool
     max_cells: int
+    header: bool = True  # the magic and sequence id before the stream count
 
 
 def fixed_bytes(expected: Expected) -> int:
     """Bytes of a one-stream blob that do not depend on its cell count."""
-    return 12 + 4 + 8 + expected.layers * (12 + 12)  # K and V headers are 12 bytes either way
+    prefix = 12 if expected.header else 4  # [magic, seq id,] stream count
+    return prefix + 4 + 8 + expected.layers * (12 + 12)  # K and V headers are 12 bytes either way
 
 
 class _Reader:
@@ -68,9 +71,11 @@ def check(blob: np.ndarray, expected: Expected) -> int:
     """The number of cells the blob holds, after checking every field against `expected`
     (StateError, naming the field, otherwise). Nothing here trusts a length before checking it."""
     reader = _Reader(blob)
-    magic, _seq, streams = reader.take("<IiI")
-    if magic != MAGIC:
-        raise StateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    if expected.header:
+        magic, _seq = reader.take("<Ii")
+        if magic != MAGIC:
+            raise StateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    (streams,) = reader.take("<I")
     if streams != 1:
         raise StateError(f"state from a cache of {streams} streams; this engine keeps one unified cache")
     (cells,) = reader.take("<I")

@@ -74,7 +74,8 @@ class LlamaCppEngine:
     def _open_context(self, path: Path) -> None:
         api, values = self._api, self._values
         n_ctx = values["n_ctx"] or api.llama_model_n_ctx_train(self._model)
-        self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx))
+        self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx,
+                                                                                 self._lib.version))
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells for {path}; "
                                  "lower n_ctx, or check the cache types and flash_attn")
@@ -95,7 +96,7 @@ class LlamaCppEngine:
         self._lengths: dict[int, int] = {}
         self._pieces: dict[int, bytes] = {}
         self._model_kv = self._read_model_kv()
-        self._expected = self._expected_blob()
+        self._expected = self._expected_blob(self._probe_blob_header())
         self._descriptor = self._describe(path)
         self._canary()
 
@@ -117,7 +118,20 @@ class LlamaCppEngine:
         return pricing.uniform(layers, kv_heads, key_width, values["cache_type_k"],
                                value_type=values["cache_type_v"], value_width=value_width)
 
-    def _expected_blob(self) -> blob.Expected:
+    def _probe_blob_header(self) -> bool:
+        """Whether this release prefixes sequence state with a magic and the sequence id: the
+        state of an empty sequence is 8 bytes without (stream count, cell count), 16 with."""
+        seq = self.new_sequence()
+        try:
+            size = self._api.llama_state_seq_get_size(self._ctx, seq)
+        finally:
+            self.free_sequence(seq)
+        if size not in (8, 16):
+            raise RuntimeUnavailable(f"llama-cpp-python {self._lib.version} writes sequence state superfluid cannot "
+                                     f"read ({size} bytes for an empty sequence); {library.INSTALL}")
+        return size == 16
+
+    def _expected_blob(self, header: bool) -> blob.Expected:
         layer = self._model_kv.layers[0]
         k_type, v_type = (settings.CACHE_TYPES[self._values[k]] for k in ("cache_type_k", "cache_type_v"))
         v_values = layer.kv_heads * layer.value_width
@@ -125,7 +139,7 @@ class LlamaCppEngine:
         return blob.Expected(len(self._model_kv.layers), k_type, v_type,
                              pricing.row_bytes(layer.key_type, layer.kv_heads * layer.key_width),
                              pricing.row_bytes(layer.value_type, v_values), v_elem, v_values,
-                             not self._values["flash_attn"], self._n_ctx)
+                             not self._values["flash_attn"], self._n_ctx, header)
 
     def _describe(self, path: Path) -> Descriptor:
         api, values = self._api, self._values

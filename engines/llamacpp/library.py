@@ -15,9 +15,10 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from engines.errors import RuntimeUnavailable
+from engines.registry import RUNTIMES
 
-DISTRIBUTION = "llama-cpp-python"
-TESTED_VERSIONS = ("0.3.36",)
+DISTRIBUTION = RUNTIMES["llamacpp"].distribution
+TESTED_VERSIONS = RUNTIMES["llamacpp"].tested_versions
 # Built from source: the portable build. The native one uses AMX instructions these machines
 # advertise but refuse, and crashes on quantized models with multi-token batches.
 BUILD_FLAGS = "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"

@@ -11,8 +11,15 @@ import ctypes
 import os
 from typing import Any
 
-from engines.errors import OptionError
+from engines.errors import OptionError, RuntimeUnavailable
 from engines.options import OptionSpec, validate
+
+
+def library_install() -> str:
+    """How to install the release superfluid was built against."""
+    from engines.llamacpp.library import INSTALL
+
+    return INSTALL
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 ROPE_SCALING = {"unspecified": -1, "none": 0, "linear": 1, "yarn": 2, "longrope": 3}
@@ -83,9 +90,20 @@ def model_params(api: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     return params, keep
 
 
-def context_params(api: Any, values: dict[str, Any], n_ctx: int) -> Any:
-    """llama_context_params for `values`: several sequences in one unified KV cache."""
+def _fields(params: Any) -> set[str]:
+    return {field[0] for field in type(params)._fields_}
+
+
+def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -> Any:
+    """llama_context_params for `values`: several sequences in one unified KV cache. Fields
+    differ between releases; a missing one the engine needs is refused with the version."""
     params = api.llama_context_default_params()
+    fields = _fields(params)
+    if "kv_unified" not in fields:
+        raise RuntimeUnavailable(f"llama-cpp-python {version} cannot hold several sequences in one unified KV cache "
+                                 f"(no kv_unified), which superfluid needs for forks; {library_install()}")
+    if values["swa_full"] and "swa_full" not in fields:
+        raise OptionError(f"llamacpp: llama-cpp-python {version} has no swa_full; leave it false")
     params.n_ctx = n_ctx
     params.n_batch = values["batch_size"]
     params.n_ubatch = values["ubatch_size"]
@@ -95,12 +113,17 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int) -> Any:
     # One cache for every sequence: a fork tags cells instead of copying a stream, and n_ctx is
     # one budget. Without it a partial cross-stream seq_cp aborts the process (FACTS.md).
     params.kv_unified = True
-    params.flash_attn_type = 1 if values["flash_attn"] else 0
+    if "flash_attn_type" in fields:  # newer releases: an enum with "auto"; never auto here
+        params.flash_attn_type = 1 if values["flash_attn"] else 0
+    else:
+        params.flash_attn = values["flash_attn"]
     params.type_k = CACHE_TYPES[values["cache_type_k"]]
     params.type_v = CACHE_TYPES[values["cache_type_v"]]
     params.offload_kqv = values["kv_offload"]
-    params.op_offload = values["op_offload"]
-    params.swa_full = values["swa_full"]
+    if "op_offload" in fields:
+        params.op_offload = values["op_offload"]
+    if "swa_full" in fields:
+        params.swa_full = values["swa_full"]
     params.rope_scaling_type = ROPE_SCALING[values["rope_scaling_type"]]
     params.rope_freq_base = values["rope_freq_base"]
     params.rope_freq_scale = values["rope_freq_scale"]

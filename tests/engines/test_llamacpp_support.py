@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from engines import registry
+from engines.base import StepRequest
 from engines.errors import OptionError, RuntimeUnavailable
 from engines.llamacpp import canary, library
 from engines.llamacpp.engine import LlamaCppEngine, resolve_device
@@ -39,7 +40,7 @@ def test_a_release_without_known_names_is_refused_by_version():
 
 def test_the_installed_release_is_the_tested_one():
     loaded = library.load()
-    assert loaded.version == "0.3.36" and loaded.tested and loaded.memory.naming == "llama_memory_*"
+    assert loaded.version in library.TESTED_VERSIONS and loaded.tested and loaded.memory.naming == "llama_memory_*"
 
 
 def test_devices_and_their_budgets():
@@ -77,7 +78,7 @@ def test_registry():
     assert registry.runtime_for("models/x.GGUF") == "llamacpp"
     assert registry.adapter("llamacpp") is LlamaCppEngine
     status = registry.status("llamacpp")
-    assert status.installed_version == "0.3.36" and status.tested
+    assert status.installed_version in status.tested_versions and status.tested
     with pytest.raises(RuntimeUnavailable, match="unknown runtime 'vllm'"):
         registry.get("vllm")
     with pytest.raises(RuntimeUnavailable, match="no runtime loads"):
@@ -103,3 +104,24 @@ def test_every_declared_llamacpp_option_has_help_and_a_valid_default():
     from engines.llamacpp import settings
 
     assert settings.check({})["cache_type_k"] == "f16"
+
+
+def test_memory_functions_under_their_older_names(engine_for):
+    """Releases that still bind llama_kv_self_* (0.3.16 binds both) drive real llama.cpp
+    through those names just as through llama_memory_*."""
+    loaded = library.load()
+    older_names = {name: getattr(loaded.api, name) for name in dir(loaded.api) if name.startswith("llama_kv_self_")}
+    if not older_names:
+        assert loaded.version == library.TESTED_VERSIONS[0] and loaded.memory.naming == "llama_memory_*"
+        return
+    engine = engine_for("f32")
+    older = library.resolve_memory(SimpleNamespace(**older_names))
+    assert older.naming == "llama_kv_self_*"
+    engine._memory, engine._mem = older, older.handle(engine._ctx)
+    seq = engine.new_sequence()
+    tokens = engine.tokenize("The capital of France is Paris.")
+    engine.step([StepRequest(seq, tokens)])
+    child = engine.fork(seq)
+    engine.truncate(child, 3)
+    assert (engine.length(seq), engine.length(child)) == (len(tokens), 3)
+    assert older.seq_pos_max(engine._mem, child) == 2 and older.seq_pos_max(engine._mem, seq) == len(tokens) - 1
