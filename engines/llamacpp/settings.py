@@ -12,14 +12,8 @@ import os
 from typing import Any
 
 from engines.errors import OptionError, RuntimeUnavailable
+from engines.llamacpp.library import INSTALL
 from engines.options import OptionSpec, validate
-
-
-def library_install() -> str:
-    """How to install the release superfluid was built against."""
-    from engines.llamacpp.library import INSTALL
-
-    return INSTALL
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 ROPE_SCALING = {"unspecified": -1, "none": 0, "linear": 1, "yarn": 2, "longrope": 3}
@@ -90,6 +84,16 @@ def model_params(api: Any, values: dict[str, Any]) -> tuple[Any, Any]:
     return params, keep
 
 
+# llama_context_params field -> the option that sets it as it is
+_CONTEXT_FIELDS = {
+    "n_batch": "batch_size", "n_ubatch": "ubatch_size", "n_seq_max": "n_seq_max", "n_threads": "threads",
+    "n_threads_batch": "threads_batch", "offload_kqv": "kv_offload", "rope_freq_base": "rope_freq_base",
+    "rope_freq_scale": "rope_freq_scale", "yarn_ext_factor": "yarn_ext_factor", "yarn_attn_factor": "yarn_attn_factor",
+    "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow", "yarn_orig_ctx": "yarn_orig_ctx",
+}
+_OPTIONAL_CONTEXT_FIELDS = {"op_offload": "op_offload", "swa_full": "swa_full"}  # not in every release
+
+
 def _fields(params: Any) -> set[str]:
     return {field[0] for field in type(params)._fields_}
 
@@ -101,15 +105,15 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -
     fields = _fields(params)
     if "kv_unified" not in fields:
         raise RuntimeUnavailable(f"llama-cpp-python {version} cannot hold several sequences in one unified KV cache "
-                                 f"(no kv_unified), which superfluid needs for forks; {library_install()}")
+                                 f"(no kv_unified), which superfluid needs for forks; {INSTALL}")
     if values["swa_full"] and "swa_full" not in fields:
         raise OptionError(f"llamacpp: llama-cpp-python {version} has no swa_full; leave it false")
     params.n_ctx = n_ctx
-    params.n_batch = values["batch_size"]
-    params.n_ubatch = values["ubatch_size"]
-    params.n_seq_max = values["n_seq_max"]
-    params.n_threads = values["threads"]
-    params.n_threads_batch = values["threads_batch"]
+    for field, option in _CONTEXT_FIELDS.items():
+        setattr(params, field, values[option])
+    for field, option in _OPTIONAL_CONTEXT_FIELDS.items():
+        if field in fields:
+            setattr(params, field, values[option])
     # One cache for every sequence: a fork tags cells instead of copying a stream, and n_ctx is
     # one budget. Without it a partial cross-stream seq_cp aborts the process (FACTS.md).
     params.kv_unified = True
@@ -119,18 +123,6 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -
         params.flash_attn = values["flash_attn"]
     params.type_k = CACHE_TYPES[values["cache_type_k"]]
     params.type_v = CACHE_TYPES[values["cache_type_v"]]
-    params.offload_kqv = values["kv_offload"]
-    if "op_offload" in fields:
-        params.op_offload = values["op_offload"]
-    if "swa_full" in fields:
-        params.swa_full = values["swa_full"]
     params.rope_scaling_type = ROPE_SCALING[values["rope_scaling_type"]]
-    params.rope_freq_base = values["rope_freq_base"]
-    params.rope_freq_scale = values["rope_freq_scale"]
-    params.yarn_ext_factor = values["yarn_ext_factor"]
-    params.yarn_attn_factor = values["yarn_attn_factor"]
-    params.yarn_beta_fast = values["yarn_beta_fast"]
-    params.yarn_beta_slow = values["yarn_beta_slow"]
-    params.yarn_orig_ctx = values["yarn_orig_ctx"]
     params.no_perf = True
     return params

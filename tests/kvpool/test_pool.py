@@ -136,13 +136,19 @@ def test_compaction_skips_pinned_and_small_slack(make_pool):
     assert pool.info(small.id).capacity == 6
 
 
-def test_defragmentation_moves_extents_when_free_space_is_split(make_pool):
+def fragmented_pool(make_pool):
+    """An 8 KiB arena holding entries 2, 4 and 6 of seven 1,000-byte blobs (1,024 + 64 bytes
+    each): every other one evicted, leaving holes of 1,088 bytes. (pool, all seven infos)."""
     pool = make_pool(8192 + 12288, budget=1 << 20, max_entries=8)
     blobs = [pool.put_blob("m", [i], np.full(1000, i, np.uint8)) for i in range(7)]
-    # seven entries of 1,024 + 64 bytes: free every other one, leaving holes of 1,088
     for info in blobs[::2]:
         pool.release(info.id)
         pool.evict(info.id)
+    return pool, blobs
+
+
+def test_defragmentation_moves_extents_when_free_space_is_split(make_pool):
+    pool, blobs = fragmented_pool(make_pool)
     pool.pin(blobs[1].id)
     largest = pool.stats().largest_free
     assert largest < 2500 <= pool.stats().bytes_free

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool import (ArrayTemplate, EntryBusy, EntryTooLarge, KVArray, LayoutError, Pool, PoolError, segment)
 from kvpool.header import PoolHeader, SlotWriter
-from tests.kvpool.test_pool import heads_kv
+from tests.kvpool.test_pool import fragmented_pool, heads_kv
 
 
 def _consistent(pool):
@@ -45,11 +45,7 @@ def test_header_size_is_checked_in_bytes_before_any_room_is_taken(make_pool):
 
 
 def test_defragment_drops_a_corrupt_entry_it_meets_and_keeps_accounts(make_pool):
-    pool = make_pool(8192 + 12288, budget=1 << 20, max_entries=8)
-    blobs = [pool.put_blob("m", [i], np.full(1000, i, np.uint8)) for i in range(7)]
-    for info in blobs[::2]:
-        pool.release(info.id)
-        pool.evict(info.id)
+    pool, blobs = fragmented_pool(make_pool)
     for info in blobs[1::2]:
         pool.release(info.id)
     for info in blobs[1::2]:  # every entry a move could pick is corrupt
