@@ -38,6 +38,7 @@ RUNTIMES: dict[str, Runtime] = {
     # Newest first; the first is what scripts/setup installs, the others CI also tests.
     "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python",
                         ("0.3.36", "0.3.16"), "a GGUF file"),
+    "mlx": Runtime("mlx", "engines.mlx.engine:MlxEngine", "mlx-lm", ("0.32.2",), "an mlx-lm model directory"),
 }
 
 
@@ -66,9 +67,12 @@ def status(runtime_id: str) -> RuntimeStatus:
 
 
 def runtime_for(model: str | Path) -> str:
-    """The runtime a model path calls for: a .gguf file is llama.cpp's."""
+    """The runtime a model path calls for: a .gguf file is llama.cpp's, a directory with a
+    config.json is mlx-lm's."""
     path = Path(model)
     if path.suffix.lower() == ".gguf":
         return "llamacpp"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "mlx"
     raise RuntimeUnavailable(f"no runtime loads {path} (superfluid hosts {', '.join(RUNTIMES)}: "
                              + "; ".join(f"{r.id} loads {r.model_kind}" for r in RUNTIMES.values()) + ")")

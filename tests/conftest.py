@@ -18,6 +18,8 @@ from kvpool import Budget, Pool, segment
 # CI explores the same examples every run, so a red build always means a change broke something;
 # elsewhere each run explores new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)
+# Model hubs are out of reach: a path that does not exist must never be taken for a hub name.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("CI"):
     settings.load_profile("ci")
 

@@ -2,9 +2,10 @@
 
 A byte-level BPE tokenizer is trained with `tokenizers` on a few lines of text; a llama-architecture
 model (hidden 64, 2 layers, 4 heads, 2 KV heads) gets random weights from a seed; the same
-weights are written as GGUF (f32, f16, q8_0 or q4_0) for llama.cpp. Building one takes well under
-a second. The vocabulary and merges go into the GGUF, so llama.cpp tokenizes and detokenizes
-exactly as the trained tokenizer does.
+weights are written as GGUF (f32, f16, q8_0 or q4_0) for llama.cpp and as an mlx-lm model
+directory (Hugging Face names, `rope_traditional: true` because GGUF llama uses interleaved RoPE).
+Building one takes well under a second. The vocabulary and merges go into both, so the engines
+tokenize exactly as the trained tokenizer does, and with f32 weights their logits agree.
 """
 
 from __future__ import annotations
@@ -152,3 +153,50 @@ def _merges(tokenizer) -> list[tuple[str, str]]:
 
     model = json.loads(tokenizer.to_str())["model"]
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+
+
+# GGUF tensor name (per layer, after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_HF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_HF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF llama tensor."""
+    if gguf_name in _HF_NAMES:
+        return _HF_NAMES[gguf_name]
+    _, layer, rest = gguf_name.split(".", 2)
+    return f"model.layers.{layer}.{_HF_LAYER_NAMES[rest]}"
+
+
+def build_mlx(directory: Path, config: TinyConfig = TinyConfig(), dtype: str = "float32") -> Path:
+    """Write an mlx-lm model directory with the same tokenizer and weights as `build`."""
+    import json
+
+    import mlx.core as mx
+
+    tokenizer = train_tokenizer()
+    vocab = tokenizer.get_vocab()
+    weights = random_weights(config, len(vocab))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": config.hidden, "num_hidden_layers": config.layers,
+        "intermediate_size": config.intermediate, "num_attention_heads": config.heads,
+        "num_key_value_heads": config.kv_heads, "rms_norm_eps": config.norm_eps, "vocab_size": len(vocab),
+        "rope_theta": config.rope_theta, "rope_traditional": True, "tie_word_embeddings": False,
+        "max_position_embeddings": config.context, "torch_dtype": dtype,
+    }))
+    mx.save_safetensors(str(directory / "model.safetensors"),
+                        {hf_name(name): mx.array(array).astype(getattr(mx, dtype)) for name, array in weights.items()})
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+        "unk_token": None, "add_bos_token": False, "chat_template": CHATML, "clean_up_tokenization_spaces": False,
+    }))
+    return directory

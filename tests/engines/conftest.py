@@ -42,3 +42,9 @@ def engine_for(tiny_models):
     yield make
     for engine in opened:
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tmp_path_factory):
+    """The tiny model's weights and tokenizer as an mlx-lm directory (f32)."""
+    return tinymodels.build_mlx(tmp_path_factory.mktemp("tiny-mlx"))

@@ -1,0 +1,1 @@
+"""MLX through mlx-lm, in the application's process: see engine.MlxEngine."""

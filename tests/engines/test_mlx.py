@@ -1,0 +1,163 @@
+"""The MLX adapter on tiny models built at test time: real MLX, real shared memory."""
+
+import numpy as np
+import pytest
+
+from engines.base import StepRequest
+from engines.errors import EngineError, IdentityMismatch, ModelLoadError, OptionError, StateError
+from engines.mlx.engine import MlxEngine
+from kvpool import DataCorrupt, KVArray, pricing
+from tests import tinymodels
+
+PROMPT = "The capital of France is Paris. The quick brown fox"
+
+
+@pytest.fixture
+def mlx_engine(tiny_mlx):
+    engine = MlxEngine(tiny_mlx)
+    yield engine
+    engine.close()
+
+
+def greedy(engine, seq, logits, steps):
+    seen = []
+    for _ in range(steps):
+        logits = engine.step([StepRequest(seq, [int(np.argmax(logits))])])[0][0]
+        seen.append(logits)
+    return np.stack(seen)
+
+
+def prefill(engine, text=PROMPT):
+    seq = engine.new_sequence()
+    tokens = engine.tokenize(text)
+    return seq, tokens, engine.step([StepRequest(seq, tokens)])[0][0]
+
+
+def test_describe(mlx_engine):
+    info = mlx_engine.describe()
+    assert info.runtime == "mlx" and info.identity.startswith("mlx:") and info.vocab_size == 300
+    assert info.cell_price == pricing.bytes_per_token(pricing.uniform(2, 2, 16, "f32")) == 512
+    assert info.packing.copies_on_lane_change and "im_start" in info.chat_template
+
+
+def test_same_logits_as_llama_cpp_and_each_refuses_the_others_state(mlx_engine, engine_for, pool):
+    llama = engine_for("f32", cache_type_k="f32", cache_type_v="f32")
+    assert llama.tokenize(PROMPT) == mlx_engine.tokenize(PROMPT)
+    seq, tokens, mlx_logits = prefill(mlx_engine)
+    llama_seq = llama.new_sequence()
+    llama_logits = llama.step([StepRequest(llama_seq, tokens, "all")])[0]
+    all_mlx = mlx_engine.step([StepRequest(mlx_engine.new_sequence(), tokens, "all")])[0]
+    np.testing.assert_allclose(all_mlx, llama_logits, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(mlx_logits, llama_logits[-1], rtol=0, atol=1e-4)
+    from_mlx = mlx_engine.export(seq, pool, tokens)
+    from_llama = llama.export(llama_seq, pool, tokens)
+    with pool.get(from_mlx.id) as view, pytest.raises(IdentityMismatch):
+        llama.import_(llama.new_sequence(), view)
+    with pool.get(from_llama.id) as view, pytest.raises(IdentityMismatch):
+        mlx_engine.import_(mlx_engine.new_sequence(), view)
+
+
+def test_export_import_continues_identically_with_one_copy_each_way(mlx_engine, pool):
+    seq, tokens, logits = prefill(mlx_engine)
+    info = mlx_engine.export(seq, pool, tokens)
+    assert info.live_bytes == len(tokens) * mlx_engine.describe().cell_price and info.slack_bytes == 0
+    reference = greedy(mlx_engine, seq, logits, 6)
+    other = mlx_engine.new_sequence()
+    with pool.get(info.id, verify=False) as view:
+        assert mlx_engine.import_(other, view) == len(tokens)
+    assert pool.stats().bytes_copied == 2 * info.live_bytes  # into the pool once, out of it once
+    np.testing.assert_array_equal(greedy(mlx_engine, other, logits, 6), reference)
+
+
+def test_import_fills_a_step_rounded_buffer_that_grows_in_place(mlx_engine, pool):
+    seq, tokens, _ = prefill(mlx_engine)
+    info = mlx_engine.export(seq, pool, tokens)
+    other = mlx_engine.new_sequence()
+    with pool.get(info.id) as view:
+        mlx_engine.import_(other, view)
+    cache = mlx_engine._sequences[other][0]
+    buffer_before = cache.keys
+    assert buffer_before.shape[2] == 256 and cache.offset == len(tokens)
+    mlx_engine.step([StepRequest(other, [5])])
+    assert cache.keys.shape[2] == 256 and cache.offset == len(tokens) + 1  # appended within the buffer
+
+
+def test_price_comes_from_live_cells_not_the_grown_buffer(tmp_path, pool):
+    """One layer whose token costs 16 bytes: measured 16, not 4,096 (a 256-token buffer step)."""
+    config = tinymodels.TinyConfig(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=4)
+    engine = MlxEngine(tinymodels.build_mlx(tmp_path / "one-layer", config))
+    assert engine.describe().cell_price == 16
+    seq = engine.new_sequence()
+    engine.step([StepRequest(seq, [1])])
+    assert engine._sequences[seq][0].keys.nbytes == 256 * 8  # what MLX holds for one token
+    info = engine.export(seq, pool, [1])
+    assert info.live_bytes == 16
+    engine.close()
+
+
+def test_fork_shares_arrays_then_diverges(mlx_engine):
+    seq, tokens, logits = prefill(mlx_engine)
+    child = mlx_engine.fork(seq)
+    assert mlx_engine._sequences[child][0].keys is mlx_engine._sequences[seq][0].keys  # nothing copied
+    mlx_engine.step([StepRequest(child, mlx_engine.tokenize(" jumps over the lazy dog"))])
+    parent_next = mlx_engine.step([StepRequest(seq, [int(np.argmax(logits))])])[0][0]
+    fresh, _, _ = prefill(mlx_engine)
+    fresh_next = mlx_engine.step([StepRequest(fresh, [int(np.argmax(logits))])])[0][0]
+    np.testing.assert_allclose(parent_next, fresh_next, rtol=0, atol=1e-5)
+
+
+def test_truncate_then_continue_equals_a_fresh_prefill(mlx_engine):
+    seq, tokens, _ = prefill(mlx_engine)
+    keep = len(tokens) // 2
+    mlx_engine.truncate(seq, keep)
+    cut = mlx_engine.step([StepRequest(seq, tokens[keep:keep + 3])])[0][0]
+    fresh = mlx_engine.new_sequence()
+    direct = mlx_engine.step([StepRequest(fresh, tokens[:keep + 3])])[0][0]
+    np.testing.assert_allclose(cut, direct, rtol=0, atol=1e-5)
+    with pytest.raises(EngineError, match="cannot keep"):
+        mlx_engine.truncate(seq, 10_000)
+
+
+def test_prefill_in_chunks_equals_one_forward(tiny_mlx):
+    chunked = MlxEngine(tiny_mlx, prefill_chunk=7)
+    whole = MlxEngine(tiny_mlx)
+    tokens = chunked.tokenize(PROMPT * 2)
+    a = chunked.step([StepRequest(chunked.new_sequence(), tokens, "all")])[0]
+    b = whole.step([StepRequest(whole.new_sequence(), tokens, "all")])[0]
+    assert a.shape == b.shape == (len(tokens), 300)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_corrupt_or_foreign_pool_data_leaves_the_sequence_empty(mlx_engine, pool):
+    seq, tokens, _ = prefill(mlx_engine)
+    info = mlx_engine.export(seq, pool, tokens)
+    offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
+    pool._store.arena[offset + 8] ^= 0x40
+    target = mlx_engine.new_sequence()
+    mlx_engine.step([StepRequest(target, [1, 2])])
+    with pool.get(info.id, verify=False) as view, pytest.raises(DataCorrupt):
+        mlx_engine.import_(target, view)
+    assert mlx_engine.length(target) == 0
+    wrong = pool.put(mlx_engine.describe().identity, [1, 2], [KVArray("0.k", np.zeros((1, 2, 2, 16), np.float32), 2)])
+    with pool.get(wrong.id) as view, pytest.raises(StateError, match="layers of K and V"):
+        mlx_engine.import_(target, view)
+    assert mlx_engine.length(target) == 0
+
+
+def test_options_and_missing_models(tiny_mlx, tmp_path):
+    with pytest.raises(OptionError, match="prefill_chunk"):
+        MlxEngine(tiny_mlx, prefill_chunk=0)
+    with pytest.raises(OptionError, match="unknown option"):
+        MlxEngine(tiny_mlx, kv_bits=4)
+    with pytest.raises(ModelLoadError, match="no mlx-lm model directory"):
+        MlxEngine(tmp_path / "nothing-here")
+
+
+def test_cache_limit_is_restored_on_close(tiny_mlx):
+    import mlx.core as mx
+
+    before = mx.set_cache_limit(123 << 20)
+    engine = MlxEngine(tiny_mlx, cache_limit_mb=64)
+    assert mx.set_cache_limit(64 << 20) == 64 << 20
+    engine.close()
+    assert mx.set_cache_limit(before) == 123 << 20
