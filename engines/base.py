@@ -48,6 +48,16 @@ class Descriptor(msgspec.Struct, frozen=True):
     chat_template: str | None
 
 
+class EngineStats(msgspec.Struct, frozen=True):
+    """Copies of KV bytes an engine made itself, beyond its exports and imports (which the pool
+    counts): MLX copying a shared buffer at its first write after a fork, batch caches copying
+    lanes in or out, compaction rewriting a buffer at its live size."""
+
+    bytes_copied: int = 0
+    copies: int = 0
+    bytes_reclaimed: int = 0  # KV buffer bytes given back by compaction
+
+
 class StepRequest(NamedTuple):
     """Tokens to append to one sequence in a step, and which logits to return for them."""
 
@@ -94,6 +104,9 @@ class Engine(Protocol):
 
     def import_(self, seq: int, view: EntryView) -> int:
         """Replace `seq`'s KV with a pool entry's; the positions restored."""
+
+    def stats(self) -> EngineStats:
+        """Copies this engine made of KV bytes, and what compaction gave back."""
 
     def close(self) -> None:
         """Free the model and its context."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engines import identity as identities
-from engines.base import Descriptor, Packing, StepRequest
+from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError,
                             WrongThread)
 from engines.llamacpp import blob, canary, library, settings
@@ -352,6 +352,11 @@ class LlamaCppEngine:
                          "has not got them; free or truncate sequences, or raise n_ctx")
         self._lengths[seq] = cells
         return cells
+
+    def stats(self) -> EngineStats:
+        """llama.cpp makes no KV copies of its own here: forks tag cells in the unified cache,
+        and state moves only through export and import (which the pool counts)."""
+        return EngineStats()
 
     # ----------------------------------------------------------------------------- lifetime
 

@@ -7,7 +7,14 @@ and state moved to and from the pool with one copy each way.
              buffer that the next append grows by concatenation: a second full copy)
 
 A fork shares the parent's arrays: nothing is copied at the fork, and MLX copies a buffer when
-it is first written while shared.
+it is first written while shared. The engine counts those copies (`stats()`): after a fork, the
+first of the sharing sequences to step copies each shared layer; the last one left writes in place.
+
+Slack is the room a cache holds past its live tokens (mlx-lm grows buffers 256 tokens at a time
+and a cut only moves the offset):
+
+    after a cut from 8,192 to 128:  | 128 live | ......... 8,064 slack ......... |
+    after compaction:               | 128 live | 128 |   (one step; the rest given back)
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from engines import identity as identities
-from engines.base import Descriptor, Packing, StepRequest
+from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError, WrongThread
 from engines.mlx import settings
 from engines.options import OptionSpec
@@ -72,6 +79,8 @@ class MlxEngine:
             self._previous_cache_limit = self._mx.set_cache_limit(self._values["cache_limit_mb"] << 20)
         self._sequences: dict[int, list] = {}
         self._lengths: dict[int, int] = {}
+        self._sharing: dict[tuple[int, int], set[int]] = {}  # (seq, layer) -> sequences sharing its buffers
+        self._copied = self._copies = self._reclaimed = 0
         self._next_seq = 0
         self._kv_dtype = self._model_dtype()
         self._descriptor = self._describe(path)
@@ -141,16 +150,34 @@ class MlxEngine:
     def free_sequence(self, seq: int) -> None:
         """Drop `seq` and its KV."""
         self._length(seq)
+        self._unshare(seq)
         del self._sequences[seq], self._lengths[seq]
 
     def fork(self, seq: int) -> int:
         """A new sequence whose caches share the parent's arrays (nothing copied now)."""
         length = self._length(seq)
         child = self.new_sequence()
-        for mine, theirs in zip(self._sequences[child], self._sequences[seq]):
+        for layer, (mine, theirs) in enumerate(zip(self._sequences[child], self._sequences[seq])):
             mine.keys, mine.values, mine.offset = theirs.keys, theirs.values, theirs.offset
+            group = self._sharing.setdefault((seq, layer), {seq})
+            group.add(child)
+            self._sharing[(child, layer)] = group
         self._lengths[child] = length
         return child
+
+    def _unshare(self, seq: int, count_copies: bool = False) -> None:
+        """`seq` stops sharing buffers (it is about to write, or goes away). Writing while others
+        still hold a buffer makes MLX copy it whole: counted when `count_copies`."""
+        for layer, cache in enumerate(self._sequences[seq]):
+            group = self._sharing.pop((seq, layer), None)
+            if group is None:
+                continue
+            group.discard(seq)
+            if count_copies and group and cache.keys is not None:
+                self._copied += cache.keys.nbytes + cache.values.nbytes
+                self._copies += 2
+            if len(group) == 1:  # the last holder writes in place from now on
+                self._sharing.pop((next(iter(group)), layer), None)
 
     def truncate(self, seq: int, tokens: int) -> None:
         """Keep the first `tokens` positions of `seq`."""
@@ -160,10 +187,49 @@ class MlxEngine:
         for cache in self._sequences[seq]:
             cache.trim(length - tokens)
         self._lengths[seq] = tokens
+        self.compact(seq)
 
     def length(self, seq: int) -> int:
         """Positions held by `seq`."""
         return self._length(seq)
+
+    def slack_bytes(self, seq: int) -> int:
+        """Bytes `seq`'s buffers hold past its live tokens."""
+        self._length(seq)
+        return sum(c.keys.nbytes + c.values.nbytes - _live_nbytes(c) for c in self._sequences[seq] if c.keys is not None)
+
+    def compact(self, seq: int) -> int:
+        """Give back the slack of `seq`'s unshared buffers beyond one step past its live tokens:
+        each such layer is rewritten at its live size rounded up to a step (one counted copy of
+        the live cells). Returns the bytes given back."""
+        self._length(seq)
+        mx, step = self._mx, self._caches_module.KVCache.step
+        reclaimed = 0
+        for layer, cache in enumerate(self._sequences[seq]):
+            if cache.keys is None or (seq, layer) in self._sharing:
+                continue
+            capacity = max(step, -(-cache.offset // step) * step)
+            if cache.keys.shape[2] <= capacity:
+                continue
+            before = cache.keys.nbytes + cache.values.nbytes
+            live = _live_nbytes(cache)
+            cache.keys, cache.values = (self._regrow(buffer, cache.offset, capacity) for buffer in (cache.keys, cache.values))
+            mx.eval(cache.keys, cache.values)
+            reclaimed += before - cache.keys.nbytes - cache.values.nbytes
+            self._copied += live
+            self._copies += 2
+        self._reclaimed += reclaimed
+        return reclaimed
+
+    def _regrow(self, buffer, live: int, capacity: int):
+        """A fresh buffer of `capacity` cells holding `buffer`'s first `live` cells (one copy)."""
+        mx = self._mx
+        fresh = mx.zeros((*buffer.shape[:2], capacity, buffer.shape[3]), buffer.dtype)
+        return mx.concatenate([buffer[:, :, :live, :], fresh[:, :, live:, :]], axis=2) if live else fresh
+
+    def stats(self) -> EngineStats:
+        """KV bytes this engine copied itself (fork copy-on-write, compaction) and gave back."""
+        return EngineStats(self._copied, self._copies, self._reclaimed)
 
     def _length(self, seq: int) -> int:
         self._check_thread()
@@ -183,6 +249,8 @@ class MlxEngine:
         for request in requests:
             self._length(request.seq)
             tokens = [int(t) for t in request.tokens]
+            if tokens:
+                self._unshare(request.seq, count_copies=True)
             rows = []
             for start in range(0, len(tokens), chunk):
                 part = tokens[start:start + chunk]
@@ -222,6 +290,7 @@ class MlxEngine:
             raise IdentityMismatch(f"pool entry {view.info.id} was written by {view.info.identity}; this engine is "
                                    f"{self._descriptor.identity} (other weights, dtype or settings)")
         mx = self._mx
+        self._unshare(seq)
         self._sequences[seq] = self._caches_module.make_prompt_cache(self._model)
         self._lengths[seq] = 0
         n = view.info.tokens
@@ -278,3 +347,9 @@ def _leaves(tree, prefix=""):
             yield from _leaves(value, f"{prefix}{index}.")
     else:
         yield prefix, tree
+
+
+def _live_nbytes(cache) -> int:
+    """Bytes of a KV cache's live cells (its offset of every buffer's token axis)."""
+    keys, values = cache.keys, cache.values
+    return (keys.nbytes + values.nbytes) * cache.offset // keys.shape[2]

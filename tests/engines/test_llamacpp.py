@@ -290,3 +290,11 @@ def _call(function):
 def test_bad_options_are_named_before_loading(tiny_models, options, message):
     with pytest.raises(OptionError, match=message):
         LlamaCppEngine(tiny_models["f32"].gguf, **options)
+
+
+def test_llama_cpp_makes_no_kv_copies_of_its_own(engine_for):
+    engine = engine_for("f32")
+    seq, tokens, _ = prefill(engine)
+    child = engine.fork(seq)
+    engine.step([StepRequest(child, [3]), StepRequest(seq, [4])])
+    assert engine.stats().bytes_copied == 0 and engine.stats().copies == 0

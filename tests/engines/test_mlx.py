@@ -161,3 +161,40 @@ def test_cache_limit_is_restored_on_close(tiny_mlx):
     assert mx.set_cache_limit(64 << 20) == 64 << 20
     engine.close()
     assert mx.set_cache_limit(before) == 123 << 20
+
+
+def test_fork_copies_nothing_until_the_first_write_which_is_counted(mlx_engine):
+    seq, tokens, _ = prefill(mlx_engine)
+    child = mlx_engine.fork(seq)
+    assert mlx_engine.stats().bytes_copied == 0
+    layer_bytes = sum(c.keys.nbytes + c.values.nbytes for c in mlx_engine._sequences[seq])
+    mlx_engine.step([StepRequest(child, [7])])  # writes while the parent still holds the buffers
+    assert mlx_engine.stats().bytes_copied == layer_bytes and mlx_engine.stats().copies == 4
+    mlx_engine.step([StepRequest(seq, [8])])  # now the sole holder: in place
+    mlx_engine.step([StepRequest(child, [9])])
+    assert mlx_engine.stats().bytes_copied == layer_bytes
+    grandchild = mlx_engine.fork(child)
+    mlx_engine.free_sequence(child)  # the grandchild is left alone with the buffers: no copy
+    mlx_engine.step([StepRequest(grandchild, [10])])
+    assert mlx_engine.stats().bytes_copied == layer_bytes
+
+
+def test_a_cut_gives_its_slack_back(mlx_engine):
+    """8,192 tokens cut to 128: the buffers shrink to one 256-token step and the freed bytes
+    show in the statistics; the sequence continues as if never grown."""
+    seq = mlx_engine.new_sequence()
+    tokens = [(7 * i) % 290 + 3 for i in range(8192)]
+    mlx_engine.step([StepRequest(seq, tokens, "none")])
+    cache = mlx_engine._sequences[seq][0]
+    assert cache.keys.shape[2] == 8192
+    grown = sum(c.keys.nbytes + c.values.nbytes for c in mlx_engine._sequences[seq])
+    mlx_engine.truncate(seq, 128)
+    kept = sum(c.keys.nbytes + c.values.nbytes for c in mlx_engine._sequences[seq])
+    assert cache.keys.shape[2] == 256 and kept == grown * 256 // 8192
+    stats = mlx_engine.stats()
+    assert stats.bytes_reclaimed == grown - kept and stats.bytes_copied == 128 * 512
+    assert mlx_engine.slack_bytes(seq) == (256 - 128) * 512
+    continued = mlx_engine.step([StepRequest(seq, [5])])[0][0]
+    fresh = mlx_engine.new_sequence()
+    direct = mlx_engine.step([StepRequest(fresh, tokens[:128] + [5])])[0][0]
+    np.testing.assert_allclose(continued, direct, rtol=0, atol=1e-5)
