@@ -38,7 +38,8 @@ RUNTIMES: dict[str, Runtime] = {
     # Newest first; the first is what scripts/setup installs, the others CI also tests.
     "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python",
                         ("0.3.36", "0.3.16"), "a GGUF file"),
-    "mlx": Runtime("mlx", "engines.mlx.engine:MlxEngine", "mlx-lm", ("0.32.2",), "an mlx-lm model directory"),
+    "mlx": Runtime("mlx", "engines.mlx.engine:MlxEngine", "mlx-lm", ("0.32.2", "0.31.3"),
+                   "an mlx-lm model directory"),
 }
 
 
