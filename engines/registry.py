@@ -39,7 +39,7 @@ RUNTIMES: dict[str, Runtime] = {
     "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python",
                         ("0.3.36", "0.3.16"), "a GGUF file"),
     "mlx": Runtime("mlx", "engines.mlx.engine:MlxEngine", "mlx-lm", ("0.32.2", "0.31.3"),
-                   "an mlx-lm model directory"),
+                   "an mlx-lm model directory (or a llama GGUF file, asked for by name)"),
 }
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from engines import identity as identities
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError, WrongThread
-from engines.mlx import settings
+from engines.mlx import gguf, settings
 from engines.options import OptionSpec
 from kvpool import Device, EntryInfo, EntryView, KVArray, Pool, pricing
 
@@ -51,7 +51,7 @@ def _import_mlx():
 
 
 class MlxEngine:
-    """An mlx-lm model directory loaded from local disk."""
+    """An mlx-lm model directory, or a llama GGUF file, loaded from local disk."""
 
     runtime = RUNTIME
 
@@ -66,14 +66,17 @@ class MlxEngine:
         self._values = settings.check(options)
         self._mx, self._caches_module, load_model, load_tokenizer = _import_mlx()
         path = Path(model_path)
-        if not (path.is_dir() and (path / "config.json").is_file()):
-            raise ModelLoadError(f"no mlx-lm model directory at {path} (a directory with config.json and "
-                                 "safetensors weights)")
-        try:
-            self._model, self._config = load_model(path)
-            self._tokenizer = load_tokenizer(path)
-        except Exception as exc:  # mlx-lm raises plain errors of many kinds for a bad directory
-            raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from None
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            self._model, self._config, self._tokenizer = gguf.load(path, self._values["dequantize"])
+        elif path.is_dir() and (path / "config.json").is_file():
+            try:
+                self._model, self._config = load_model(path)
+                self._tokenizer = load_tokenizer(path)._tokenizer
+            except Exception as exc:  # mlx-lm raises plain errors of many kinds for a bad directory
+                raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from None
+        else:
+            raise ModelLoadError(f"no model at {path}: MLX loads an mlx-lm model directory (config.json and "
+                                 "safetensors weights) or a llama GGUF file")
         self._previous_cache_limit = None
         if self._values["cache_limit_mb"]:
             self._previous_cache_limit = self._mx.set_cache_limit(self._values["cache_limit_mb"] << 20)
@@ -107,14 +110,15 @@ class MlxEngine:
         model_kv = pricing.uniform(layers, kv_heads, head_dim, kv_type)
         versions = f"mlx {importlib.metadata.version('mlx')}, mlx-lm {importlib.metadata.version('mlx-lm')}"
         settings_used = {"kv_dtype": kv_type, "config": json.dumps(self._config, sort_keys=True)}
-        ident = identities.compose(RUNTIME, identities.tree_digest(path), versions, settings_used)
-        eos = tuple(sorted(getattr(self._tokenizer, "eos_token_ids", ()) or ()))
+        weights = identities.file_digest(path) if path.is_file() else identities.tree_digest(path)
+        ident = identities.compose(RUNTIME, weights, versions, settings_used)
+        eos = (self._tokenizer.eos_token_id,) if self._tokenizer.eos_token_id is not None else ()
         packing = Packing(mixes_prefill_and_decode=False, max_tokens=self._values["prefill_chunk"],
                           max_sequences=self._values["max_sequences"], copies_on_lane_change=True)
         context = self._config.get("max_position_embeddings") or 0
         return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, model_kv,
                           pricing.bytes_per_token(model_kv), context, self._config["vocab_size"], packing, Device(),
-                          self._tokenizer.bos_token_id, eos, getattr(self._tokenizer, "chat_template", None))
+                          self._tokenizer.bos_token_id, eos, self._tokenizer.chat_template)
 
     def describe(self) -> Descriptor:
         """What this engine is (fixed once loaded)."""
@@ -125,14 +129,12 @@ class MlxEngine:
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text` (no BOS added)."""
         self._check_thread()
-        return list(self._tokenizer._tokenizer.encode(text, add_special_tokens=False)
-                    if special else self._tokenizer._tokenizer.encode(text, add_special_tokens=False,
-                                                                     split_special_tokens=True))
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not special))
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """The bytes of `tokens`, special tokens rendered."""
         self._check_thread()
-        return self._tokenizer._tokenizer.decode(list(tokens), skip_special_tokens=False).encode()
+        return self._tokenizer.decode(list(tokens), skip_special_tokens=False).encode()
 
     # ----------------------------------------------------------------------------- sequences
 
