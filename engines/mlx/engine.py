@@ -31,7 +31,7 @@ import numpy as np
 from engines import identity as identities
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError, WrongThread
-from engines.mlx import gguf, settings
+from engines.mlx import blas, gguf, settings
 from engines.options import OptionSpec
 from kvpool import Device, EntryInfo, EntryView, KVArray, Pool, pricing
 
@@ -41,6 +41,7 @@ _KV_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def _import_mlx():
+    blas.preload()  # must come before MLX loads: libmlx binds its BLAS then
     try:
         import mlx.core as mx
         from mlx_lm.models import cache as caches

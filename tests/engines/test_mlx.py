@@ -226,3 +226,24 @@ def test_gguf_files_mlx_cannot_map_are_refused(tmp_path):
     bogus.write_bytes(b"not a gguf at all")
     with pytest.raises(ModelLoadError, match="could not read"):
         MlxEngine(bogus)
+
+
+def test_openblas_is_loaded_before_mlx_in_a_fresh_process():
+    import subprocess
+    import sys
+
+    script = ("from engines.mlx.engine import _import_mlx; from engines.mlx import blas; _import_mlx();"
+              "status = blas.preload(); maps = open('/proc/self/maps').read();"
+              "print(status.path, 'libopenblas' in maps)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    path, mapped = done.stdout.split()
+    assert path.endswith("libopenblas.so.0") and mapped == "True", done.stderr
+
+
+def test_too_late_for_openblas_is_said_plainly():
+    import subprocess
+    import sys
+
+    script = "import mlx.core; from engines.mlx import blas; print(blas.preload().reason)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "imported before" in done.stdout and "LD_PRELOAD" in done.stdout
