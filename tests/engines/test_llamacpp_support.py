@@ -125,3 +125,16 @@ def test_memory_functions_under_their_older_names(engine_for):
     engine.truncate(child, 3)
     assert (engine.length(seq), engine.length(child)) == (len(tokens), 3)
     assert older.seq_pos_max(engine._mem, child) == 2 and older.seq_pos_max(engine._mem, seq) == len(tokens) - 1
+
+
+def test_a_release_without_a_unified_cache_is_refused_by_name():
+    import ctypes
+
+    from engines.llamacpp import settings
+
+    class OldParams(ctypes.Structure):  # the fields of a release before kv_unified (0.3.14)
+        _fields_ = [("n_ctx", ctypes.c_uint32), ("flash_attn", ctypes.c_bool), ("swa_full", ctypes.c_bool)]
+
+    api = SimpleNamespace(llama_context_default_params=OldParams)
+    with pytest.raises(RuntimeUnavailable, match="0.3.14 cannot hold several sequences.*kv_unified"):
+        settings.context_params(api, settings.check({}), 512, "0.3.14")
