@@ -155,31 +155,13 @@ def _merges(tokenizer) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
 
-# GGUF tensor name (per layer, after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-_HF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_HF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-
-
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF llama tensor."""
-    if gguf_name in _HF_NAMES:
-        return _HF_NAMES[gguf_name]
-    _, layer, rest = gguf_name.split(".", 2)
-    return f"model.layers.{layer}.{_HF_LAYER_NAMES[rest]}"
-
-
 def build_mlx(directory: Path, config: TinyConfig = TinyConfig(), dtype: str = "float32") -> Path:
     """Write an mlx-lm model directory with the same tokenizer and weights as `build`."""
     import json
 
     import mlx.core as mx
+
+    from engines.mlx.gguf import hf_name
 
     tokenizer = train_tokenizer()
     vocab = tokenizer.get_vocab()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import heapq
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,10 @@ from typing import Any
 import numpy as np
 
 from engines import identity as identities
+from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
-from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError,
-                            WrongThread)
+from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError)
 from engines.llamacpp import blob, canary, library, settings
-from engines.options import OptionSpec
 from kvpool import Device, EntryInfo, EntryView, Pool, pricing
 
 RUNTIME = "llamacpp"
@@ -38,19 +36,15 @@ def resolve_device(n_gpu_layers: int, offload_supported: bool, gpu_name: str = "
     return Device("gpu", gpu_name, gpu_free_bytes)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(Adapter):
     """A GGUF model loaded through llama-cpp-python's low-level API (not its `Llama` class)."""
 
     runtime = RUNTIME
-
-    @classmethod
-    def options(cls) -> tuple[OptionSpec, ...]:
-        """The options this runtime takes, with shapes, defaults and help."""
-        return settings.OPTIONS
+    OPTIONS = settings.OPTIONS
 
     def __init__(self, model_path: str | Path, **options: Any) -> None:
         """Load `model_path` with `options` (checked before anything loads)."""
-        self._owner = threading.get_ident()
+        self._claim_thread()
         self._values = settings.check(options)
         self._lib = library.load()
         self._api = api = self._lib.api
@@ -93,7 +87,6 @@ class LlamaCppEngine:
         self._seq_slots = [self._batch.seq_id[i] for i in range(self._n_batch)]
         self._slot_seq = [-1] * self._n_batch
         self._free_seqs = list(range(values["n_seq_max"]))
-        self._lengths: dict[int, int] = {}
         self._pieces: dict[int, bytes] = {}
         self._model_kv = self._read_model_kv()
         self._expected = self._expected_blob(self._probe_blob_header())
@@ -247,17 +240,6 @@ class LlamaCppEngine:
                               "recompute it from its tokens instead")
         self._lengths[seq] = tokens
 
-    def length(self, seq: int) -> int:
-        """Positions held by `seq`."""
-        return self._length(seq)
-
-    def _length(self, seq: int) -> int:
-        self._check_thread()
-        try:
-            return self._lengths[seq]
-        except KeyError:
-            raise EngineError(f"no sequence {seq} in this engine") from None
-
     # ----------------------------------------------------------------------------- forward
 
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
@@ -360,11 +342,6 @@ class LlamaCppEngine:
 
     # ----------------------------------------------------------------------------- lifetime
 
-    def _check_thread(self) -> None:
-        if threading.get_ident() != self._owner:
-            raise WrongThread("a llama.cpp engine is called only from the thread that created it "
-                              "(a second calling thread slows every step threefold); hand the work to that thread")
-
     def close(self) -> None:
         """Free the batch, the context and the model (idempotent)."""
         api = self._api
@@ -378,8 +355,3 @@ class LlamaCppEngine:
             api.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> "LlamaCppEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

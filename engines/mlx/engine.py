@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from engines import identity as identities
+from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
-from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError, WrongThread
+from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
 from engines.mlx import blas, gguf, settings
-from engines.options import OptionSpec
 from kvpool import Device, EntryInfo, EntryView, KVArray, Pool, pricing
 
 RUNTIME = "mlx"
@@ -51,19 +50,15 @@ def _import_mlx():
     return mx, caches, load_model, load_tokenizer
 
 
-class MlxEngine:
+class MlxEngine(Adapter):
     """An mlx-lm model directory, or a llama GGUF file, loaded from local disk."""
 
     runtime = RUNTIME
-
-    @classmethod
-    def options(cls) -> tuple[OptionSpec, ...]:
-        """The options this runtime takes, with shapes, defaults and help."""
-        return settings.OPTIONS
+    OPTIONS = settings.OPTIONS
 
     def __init__(self, model_path: str | Path, **options: Any) -> None:
         """Load the model directory `model_path` (never a hub name) with `options`."""
-        self._owner = threading.get_ident()
+        self._claim_thread()
         self._values = settings.check(options)
         self._mx, self._caches_module, load_model, load_tokenizer = _import_mlx()
         path = Path(model_path)
@@ -82,7 +77,6 @@ class MlxEngine:
         if self._values["cache_limit_mb"]:
             self._previous_cache_limit = self._mx.set_cache_limit(self._values["cache_limit_mb"] << 20)
         self._sequences: dict[int, list] = {}
-        self._lengths: dict[int, int] = {}
         self._sharing: dict[tuple[int, int], set[int]] = {}  # (seq, layer) -> sequences sharing its buffers
         self._copied = self._copies = self._reclaimed = 0
         self._next_seq = 0
@@ -192,10 +186,6 @@ class MlxEngine:
         self._lengths[seq] = tokens
         self.compact(seq)
 
-    def length(self, seq: int) -> int:
-        """Positions held by `seq`."""
-        return self._length(seq)
-
     def slack_bytes(self, seq: int) -> int:
         """Bytes `seq`'s buffers hold past its live tokens."""
         self._length(seq)
@@ -233,13 +223,6 @@ class MlxEngine:
     def stats(self) -> EngineStats:
         """KV bytes this engine copied itself (fork copy-on-write, compaction) and gave back."""
         return EngineStats(self._copied, self._copies, self._reclaimed)
-
-    def _length(self, seq: int) -> int:
-        self._check_thread()
-        try:
-            return self._lengths[seq]
-        except KeyError:
-            raise EngineError(f"no sequence {seq} in this engine") from None
 
     # ----------------------------------------------------------------------------- forward
 
@@ -322,10 +305,6 @@ class MlxEngine:
 
     # ----------------------------------------------------------------------------- lifetime
 
-    def _check_thread(self) -> None:
-        if threading.get_ident() != self._owner:
-            raise WrongThread("an MLX engine is called only from the thread that created it; hand the work to it")
-
     def close(self) -> None:
         """Drop every sequence and restore MLX's cache limit if this engine changed it."""
         self._sequences.clear()
@@ -333,12 +312,6 @@ class MlxEngine:
         if self._previous_cache_limit is not None:
             self._mx.set_cache_limit(self._previous_cache_limit)
             self._previous_cache_limit = None
-
-    def __enter__(self) -> "MlxEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _leaves(tree, prefix=""):
