@@ -96,7 +96,8 @@ def random_weights(config: TinyConfig, vocab: int) -> dict[str, np.ndarray]:
 
 
 def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()) -> TinyModel:
-    """Write `directory/tiny-<quant>.gguf` and return what was built."""
+    """Write `directory/tiny-<quant>.gguf` (f32, f16, q8_0, q4_0, or "mixed": q8_0 embeddings and
+    output, q4_0 elsewhere) and return what was built."""
     import gguf
 
     tokenizer = train_tokenizer()
@@ -119,7 +120,7 @@ def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(len(vocab))
-    writer.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[quant])
+    writer.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2, "mixed": 2}[quant])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(vocab)
@@ -139,6 +140,8 @@ def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()
 
 
 def _add_tensor(writer, gguf, name: str, array: np.ndarray, quant: str) -> None:
+    if quant == "mixed":  # like real Q4 files: embeddings and output in q8_0, the rest in q4_0
+        quant = "q8_0" if name in ("token_embd.weight", "output.weight") else "q4_0"
     if array.ndim == 1 or quant == "f32":
         writer.add_tensor(name, array.astype(np.float32))
     elif quant == "f16":

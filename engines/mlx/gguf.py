@@ -66,10 +66,10 @@ def config_from(meta: dict, weights: dict) -> dict:
     }
 
 
-def weights_from(mx, tensors: dict, dequantize: bool) -> tuple[dict, int | None]:
-    """HF-named weights; quantized ones dequantized to float32 when `dequantize`, else kept with
-    their bits (which must then be one width for the whole model). (weights, bits or None)."""
-    out, bits_seen = {}, set()
+def weights_from(mx, tensors: dict, dequantize: bool) -> tuple[dict, dict[str, int]]:
+    """HF-named weights, and the bits of each module kept quantized (none when `dequantize`:
+    then quantized weights come back as float32)."""
+    out, bits_by_module = {}, {}
     for name, array in tensors.items():
         if name.endswith((".scales", ".biases")):
             continue
@@ -80,14 +80,12 @@ def weights_from(mx, tensors: dict, dequantize: bool) -> tuple[dict, int | None]
             if dequantize:
                 out[hf_name(name)] = mx.dequantize(array, scales, biases, group_size=GROUP, bits=bits).astype(mx.float32)
             else:
-                bits_seen.add(bits)
-                out[hf_name(name)], out[hf_name(f"{base}.scales")], out[hf_name(f"{base}.biases")] = array, scales, biases
+                module = hf_name(name)[: -len(".weight")]
+                bits_by_module[module] = bits
+                out[f"{module}.weight"], out[f"{module}.scales"], out[f"{module}.biases"] = array, scales, biases
         else:
             out[hf_name(name)] = array.astype(mx.float32) if array.dtype != mx.float32 else array
-    if len(bits_seen) > 1:
-        raise ModelLoadError(f"this GGUF mixes {sorted(bits_seen)}-bit weights, which MLX cannot run quantized "
-                             "in one model; load it with dequantize=on")
-    return out, (bits_seen.pop() if bits_seen else None)
+    return out, bits_by_module
 
 
 def tokenizer_from(meta: dict):
@@ -132,10 +130,11 @@ def load(path: Path, dequantize: bool):
     config = config_from(meta, tensors)
     weights, bits = weights_from(mx, tensors, dequantize)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    if bits is not None:
-        nn.quantize(model, group_size=GROUP, bits=bits,
-                    class_predicate=lambda name, module: f"{name}.scales" in weights)
-        config["quantization"] = {"group_size": GROUP, "bits": bits}
+    if bits:  # each quantized module at its own width (a Q4_1 file keeps some tensors in Q8_0)
+        nn.quantize(model, group_size=GROUP,
+                    class_predicate=lambda name, module: {"group_size": GROUP, "bits": bits[name]} if name in bits
+                    else False)
+        config["quantization"] = {"group_size": GROUP, "bits": sorted(set(bits.values()))}
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     return model, config, tokenizer_from(meta)

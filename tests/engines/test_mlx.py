@@ -221,6 +221,16 @@ def test_a_quantized_gguf_loads_dequantized_or_quantized(tiny_models, dequantize
                                                     dequantize=not dequantize).describe().identity)
 
 
+def test_a_gguf_of_mixed_widths_runs_quantized(tmp_path, tiny_models):
+    mixed = tinymodels.build(tmp_path, "mixed")
+    engine = MlxEngine(mixed.gguf, dequantize=False)
+    assert engine._config["quantization"]["bits"] == [4, 8]
+    reference = MlxEngine(tiny_models["f32"].gguf)
+    a = engine.step([StepRequest(engine.new_sequence(), engine.tokenize(PROMPT))])[0][0]
+    b = reference.step([StepRequest(reference.new_sequence(), reference.tokenize(PROMPT))])[0][0]
+    assert np.isfinite(a).all() and np.corrcoef(a, b)[0, 1] > 0.9
+
+
 def test_gguf_files_mlx_cannot_map_are_refused(tmp_path):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf at all")
