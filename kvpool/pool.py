@@ -6,15 +6,13 @@ export budget needs room. Entries held by no one stay cached for the prefix inde
 A crash loses only entries being written: the segment and every ready header survive, and
 `Pool.attach` rebuilds the rest (free lists, counts, the index) from them. Where the bytes are,
 and how they move crash-safely, is the Store's business (store.py); what to keep is the pool's.
-
-Thread safety: one lock guards the metadata. Bulk copies into a reserved entry happen outside it
-(the entry is invisible until committed); copies that move a ready entry happen inside it.
+One lock guards the metadata; bulk copies into a reserved (still invisible) entry happen outside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
 import os
 import threading
 import time
@@ -23,54 +21,24 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from kvpool import checksum, compaction, eviction, layout as layouts
-from kvpool.allocator import ALIGN, align_up
+from kvpool import checksum, eviction, layout as layouts, validation
+from kvpool.allocator import align_up
 from kvpool.budget import Budget, Device, export_budget, host_memory_available
-from kvpool.entry import TOKEN_DTYPE, EntryInfo, EntryRecord, EntryView, Writer, meta_layout
-from kvpool.errors import DataCorrupt, EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
-from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, PoolHeader,
-                           fits_entry_slot)
+from kvpool.entry import EntryInfo, EntryRecord, EntryView, Writer, meta_layout
+from kvpool.errors import EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
+from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, EntryHeader, EntryState, PoolHeader, fits_entry_slot
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
 from kvpool.prefix import PrefixIndex, PrefixMatch
 from kvpool.recovery import RecoveryReport
-from kvpool.segment import PAGE, Segment
-from kvpool.stats import Counters, PoolStats
-from kvpool.store import POOL_HEADER_BYTES, Store, read_pool_header
+from kvpool.maintenance import Compacting
+from kvpool.segment import Segment
+from kvpool.stats import Counters, PoolStats, snapshot
+from kvpool.store import POOL_HEADER_BYTES, Store, plan_geometry, read_pool_header
 
-SLACK_RATIO = 0.25  # reclaim an entry's slack once it is a quarter of what the entry reserves
-SLACK_MIN_BYTES = 64 << 10
 SERIAL_BLOCK = 1024  # entry ids are reserved in the pool header this many at a time
-_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
-def default_max_entries(size_bytes: int) -> int:
-    """Header slots for a pool of `size_bytes`: one per 256 KiB, between 64 and 65,536."""
-    return max(64, min(65536, size_bytes // (256 << 10)))
-
-
-def _tokens(tokens) -> np.ndarray:
-    array = np.asarray(tokens)
-    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise LayoutError(f"tokens must be a 1-D sequence of integers, got shape {array.shape} {array.dtype}")
-    if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
-        raise LayoutError("token ids must fit in int32")
-    return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)
-
-
-def _text(name: str, value: str, allow_empty: bool) -> str:
-    if not isinstance(value, str) or len(value.encode()) > MAX_TEXT or (not value and not allow_empty):
-        raise LayoutError(f"{name} must be a string of {'0' if allow_empty else '1'}-{MAX_TEXT} UTF-8 bytes")
-    return value
-
-
-def _cost(recompute_cost: float | None, tokens: int) -> float:
-    cost = float(tokens) if recompute_cost is None else recompute_cost
-    if not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
-        raise LayoutError(f"recompute_cost must be a finite number >= 0 (seconds or tokens), got {recompute_cost!r}")
-    return float(cost)
-
-
-class Pool:
+class Pool(Compacting):
     """A shared-memory KV pool. Create one with :meth:`create`, re-attach with :meth:`attach`."""
 
     def __init__(self, store: Store) -> None:
@@ -98,15 +66,7 @@ class Pool:
         The export budget is `budget` if given, else computed for `device` from the pool's
         capacity and host memory (the pool's own reserved bytes counted as available to it).
         """
-        size_bytes = align_up(size_bytes, PAGE)
-        slot_count = max_entries if max_entries is not None else default_max_entries(size_bytes)
-        if not 1 <= slot_count <= 1 << 22:
-            raise PoolError(f"max_entries must be between 1 and {1 << 22}, got {slot_count}")
-        arena_offset = align_up(POOL_HEADER_BYTES + slot_count * ENTRY_SLOT_BYTES, PAGE)
-        arena_size = (size_bytes - arena_offset) // ALIGN * ALIGN
-        if arena_size < PAGE:
-            raise PoolError(f"a pool of {size_bytes} bytes with {slot_count} entry slots leaves no arena; "
-                            f"give it at least {arena_offset + PAGE} bytes or fewer max_entries")
+        size_bytes, slot_count, arena_offset, arena_size = plan_geometry(size_bytes, max_entries)
         segment = Segment.create(name, size_bytes)
         try:
             if budget is None:
@@ -140,10 +100,8 @@ class Pool:
             store.write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid(),
                                                             serial_limit=pool._next_serial))
         except BaseException:
-            try:
+            with contextlib.suppress(PoolBusy):  # a view held by the traceback: the mapping goes with it
                 segment.close()
-            except PoolBusy:  # a view held by the traceback: the mapping goes when it does
-                pass
             raise
         return pool
 
@@ -161,8 +119,7 @@ class Pool:
             self._closed = True
 
     def unlink(self) -> None:
-        """Remove the segment's name so no one can attach it again (its memory goes with the last
-        mapping). Call after close() to destroy a pool."""
+        """Remove the segment's name (its memory goes with the last mapping); after close(), destroys it."""
         self._store.segment.unlink()
 
     def __enter__(self) -> "Pool":
@@ -193,7 +150,7 @@ class Pool:
         """Store `arrays` (one copy each, hashed on the way) as a new entry held once by the caller.
         None when the budget has no room even after compaction and eviction."""
         live = layouts.live_tokens_of(arrays)
-        tokens = _tokens(tokens)
+        tokens = validation.token_ids(tokens)
         if live is not None and live != len(tokens):
             raise LayoutError(f"arrays hold {live} cells but {len(tokens)} token ids were given")
         writer = self.reserve(identity, tokens, [layouts.template_of(a) for a in arrays], capacity=capacity,
@@ -219,7 +176,7 @@ class Pool:
                 tag: str = "", recompute_cost: float | None = None) -> Writer | None:
         """Reserve a new array entry with room for `capacity` cells (default: the tokens given) and
         return a Writer whose views the engine fills directly; None when there is no room."""
-        tokens = _tokens(tokens)
+        tokens = validation.token_ids(tokens)
         capacity = len(tokens) if capacity is None else capacity
         if capacity < len(tokens):
             raise LayoutError(f"capacity {capacity} is less than the {len(tokens)} tokens given")
@@ -231,7 +188,7 @@ class Pool:
         """Reserve a blob entry of `nbytes` for an engine that serialises its own state."""
         if nbytes < 0:
             raise LayoutError(f"blob size must be >= 0, got {nbytes}")
-        tokens = _tokens(tokens)
+        tokens = validation.token_ids(tokens)
         return self._reserve(identity, tokens, BlobLayout(nbytes), align_up(max(nbytes, 1)), len(tokens),
                              tag, recompute_cost)
 
@@ -239,11 +196,12 @@ class Pool:
         """A Writer for cells appended to an array entry held by at most one reference, within
         its capacity. Fill `writer.arrays` (the new cells only) and commit. `recompute_cost` is
         the entry's new cost; by default it grows by one per appended token."""
-        tokens = _tokens(tokens)
+        tokens = validation.token_ids(tokens)
         with self._lock:
             record = self._record(entry_id)
             header = record.header
-            cost = header.recompute_cost + len(tokens) if recompute_cost is None else _cost(recompute_cost, 0)
+            cost = (header.recompute_cost + len(tokens) if recompute_cost is None
+                    else validation.recompute_cost(recompute_cost, 0))
             if not isinstance(record.layout, ArrayLayout):
                 raise LayoutError(f"entry {entry_id} holds an engine blob, written whole; put a new entry instead")
             if any(spec.token_axis == layouts.NO_TOKEN_AXIS for spec in record.layout.arrays):
@@ -260,7 +218,7 @@ class Pool:
             record.pending_cost = cost
             return Writer(self, record, self._store.data(header), header.live, header.live + len(tokens))
 
-    # ----------------------------------------------------------------------------- reading and sharing
+    # ----------------------------------------------------------------------------- reading, sharing, statistics
 
     def get(self, entry_id: int, *, verify: bool = True) -> EntryView:
         """Pinned, zero-copy, read-only views of an entry (a context manager). With `verify`, the
@@ -338,44 +296,16 @@ class Pool:
         """The ready entry of `identity` sharing the longest exact token prefix with `tokens`."""
         with self._lock:
             self._check_open()
-            return self._prefix.longest(identity, _tokens(tokens))
+            return self._prefix.longest(identity, validation.token_ids(tokens))
 
     def acquire_prefix(self, identity: str, tokens) -> PrefixMatch | None:
         """lookup() and share() the entry found, atomically (the caller must release it)."""
         with self._lock:
             self._check_open()
-            match = self._prefix.longest(identity, _tokens(tokens))
+            match = self._prefix.longest(identity, validation.token_ids(tokens))
             if match is not None:
                 self.share(match.entry_id)
             return match
-
-    # ----------------------------------------------------------------------------- compaction
-
-    def compact(self, *, ratio: float = SLACK_RATIO, min_bytes: int = SLACK_MIN_BYTES) -> int:
-        """Give back the slack of unpinned entries whose slack passes the threshold; the bytes
-        returned to the free list."""
-        with self._lock:
-            self._check_open()
-            reclaimed = 0
-            candidates = [compaction.Reserved(r.id, r.live_bytes + r.slack_bytes, r.live_bytes)
-                          for r in self._entries.values() if self._movable(r) and isinstance(r.layout, ArrayLayout)]
-            for entry_id in compaction.slack_to_reclaim(candidates, ratio, min_bytes):
-                record = self._entries[entry_id]
-                try:
-                    reclaimed += self._reclaim_slack(record)
-                except DataCorrupt:  # found while moving it
-                    self._counters.corrupt_found += 1
-                    if not record.refcount:  # nobody can use it: its room is better spent
-                        self._evict(record)
-            return reclaimed
-
-    def defragment(self, need: int) -> bool:
-        """Move unpinned extents so that one free run of `need` bytes exists; False if it cannot."""
-        with self._lock:
-            self._check_open()
-            return self._defragment(align_up(need))
-
-    # ----------------------------------------------------------------------------- statistics
 
     def arena_map(self) -> list[tuple[int, int, str]]:
         """(offset, length, owner) of every extent of the arena in offset order; owner is
@@ -386,18 +316,8 @@ class Pool:
     def stats(self) -> PoolStats:
         """A snapshot of bytes, entries and counters."""
         with self._lock:
-            records = list(self._entries.values())
-            c = self._counters
-            return PoolStats(
-                name=self.name, capacity=self._store.header.arena_size, budget_bytes=self._store.header.budget_bytes,
-                bytes_used=self._bytes_used, bytes_live=sum(r.live_bytes for r in records),
-                bytes_slack=sum(r.slack_bytes for r in records), bytes_free=self._store.allocator.free_bytes,
-                largest_free=self._store.allocator.largest_free, entries=len(records), writing=len(self._writing),
-                referenced=sum(1 for r in records if r.refcount), shared=sum(1 for r in records if r.refcount > 1),
-                pinned=sum(1 for r in records if r.pins or r.views),
-                bytes_copied=c.bytes_written + c.bytes_read + c.bytes_moved,
-                recovered_entries=self._report.entries, recovered_freed_writing=self._report.freed_writing,
-                recovered_dropped=self._report.dropped, **c.as_dict())
+            return snapshot(self._store, list(self._entries.values()), len(self._writing), self._bytes_used,
+                            self._counters, self._report)
 
     # ----------------------------------------------------------------------------- internals
 
@@ -418,9 +338,11 @@ class Pool:
     def _reserve(self, identity: str, tokens: np.ndarray, layout: Layout, data_length: int, capacity: int,
                  tag: str, recompute_cost: float | None) -> Writer | None:
         # Everything that can be refused is refused here, before any room is made.
-        header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, 0, _text("identity", identity, allow_empty=False),
-                             len(tokens), capacity, tag=_text("tag", tag, allow_empty=True),
-                             recompute_cost=_cost(recompute_cost, len(tokens)), created_at=time.time())
+        identity = validation.text_field("identity", identity, allow_empty=False)
+        tag = validation.text_field("tag", tag, allow_empty=True)
+        header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, 0, identity, len(tokens), capacity, tag=tag,
+                             recompute_cost=validation.recompute_cost(recompute_cost, len(tokens)),
+                             created_at=time.time())
         layout_bytes = layouts.encode_layout(layout)
         _, meta_length = meta_layout(len(layout_bytes), capacity)
         stored = align_up(data_length) + align_up(meta_length) + ENTRY_SLOT_BYTES
@@ -565,36 +487,6 @@ class Pool:
     def _release(self, record: EntryRecord) -> None:
         self._store.release(record)
         self._bytes_used -= record.stored_bytes
-
-    def _reclaim_slack(self, record: EntryRecord) -> int:
-        before = record.stored_bytes
-        moved = self._store.relocate(record, record.header.live)
-        if moved is None:
-            return 0
-        self._bytes_used += record.stored_bytes - before
-        self._counters.bytes_moved += moved
-        self._counters.slack_reclaims += 1
-        self._counters.bytes_reclaimed += before - record.stored_bytes
-        return before - record.stored_bytes
-
-    def _defragment(self, need: int, taken: Sequence[tuple[int, int]] = ()) -> bool:
-        """Move unpinned entries until a free run of `need` bytes exists. `taken` lists extents
-        allocated but not yet owned by an entry (they stay put)."""
-        while True:
-            movable = [r for r in self._entries.values() if self._movable(r)]
-            fixed = [r for r in self._entries.values() if not self._movable(r)] + list(self._writing.values())
-            try:
-                done, entries, moved = self._store.defragment(need, movable, fixed, taken)
-            except DataCorrupt as exc:  # found while moving it: drop it if nobody holds it, then go on
-                self._counters.corrupt_found += 1
-                record = self._entries[exc.entry_id]
-                if record.refcount:
-                    return False
-                self._evict(record)
-                continue
-            self._counters.relocations += entries
-            self._counters.bytes_moved += moved
-            return done
 
     def _recover(self) -> None:
         scan = self._store.recover()

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from kvpool.entry import EntryRecord
+    from kvpool.recovery import RecoveryReport
+    from kvpool.store import Store
 
 
 @dataclass
@@ -66,3 +73,18 @@ class PoolStats(msgspec.Struct, frozen=True):
     recovered_entries: int
     recovered_freed_writing: int
     recovered_dropped: int
+
+
+def snapshot(store: "Store", records: Sequence["EntryRecord"], writing: int, bytes_used: int, counters: Counters,
+             report: "RecoveryReport") -> PoolStats:
+    """PoolStats from the pool's records, counters and store, taken under the pool's lock."""
+    c = counters
+    return PoolStats(
+        name=store.header.name, capacity=store.header.arena_size, budget_bytes=store.header.budget_bytes,
+        bytes_used=bytes_used, bytes_live=sum(r.live_bytes for r in records),
+        bytes_slack=sum(r.slack_bytes for r in records), bytes_free=store.allocator.free_bytes,
+        largest_free=store.allocator.largest_free, entries=len(records), writing=writing,
+        referenced=sum(1 for r in records if r.refcount), shared=sum(1 for r in records if r.refcount > 1),
+        pinned=sum(1 for r in records if r.pins or r.views), bytes_copied=c.bytes_written + c.bytes_read + c.bytes_moved,
+        recovered_entries=report.entries, recovered_freed_writing=report.freed_writing,
+        recovered_dropped=report.dropped, **c.as_dict())

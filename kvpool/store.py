@@ -20,7 +20,7 @@ import numpy as np
 from kvpool import checksum, compaction, layout as layouts
 from kvpool.allocator import ALIGN, Allocator, align_up
 from kvpool.entry import TOKEN_DTYPE, EntryRecord, meta_layout
-from kvpool.errors import DataCorrupt, PoolBusy, PoolCorrupt, PoolFormatError
+from kvpool.errors import DataCorrupt, PoolBusy, PoolCorrupt, PoolError, PoolFormatError
 from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, EntryHeader, EntryState, PoolHeader,
                            SlotWriter, decode_pool_header, payload_version, read_slot)
 from kvpool.layout import ArrayLayout
@@ -36,6 +36,25 @@ _FREE = EntryHeader(FORMAT_VERSION, EntryState.FREE, 0)
 LARGE_DATA_BYTES = 1 << 20
 COPY_PHASE = PAGE // 2
 DEFRAGMENT_ATTEMPTS = 4
+
+
+def default_max_entries(size_bytes: int) -> int:
+    """Header slots for a pool of `size_bytes`: one per 256 KiB, between 64 and 65,536."""
+    return max(64, min(65536, size_bytes // (256 << 10)))
+
+
+def plan_geometry(size_bytes: int, max_entries: int | None) -> tuple[int, int, int, int]:
+    """(segment size rounded to a page, slot count, arena offset, arena size) for a new pool."""
+    size_bytes = align_up(size_bytes, PAGE)
+    slot_count = max_entries if max_entries is not None else default_max_entries(size_bytes)
+    if not 1 <= slot_count <= 1 << 22:
+        raise PoolError(f"max_entries must be between 1 and {1 << 22}, got {slot_count}")
+    arena_offset = align_up(POOL_HEADER_BYTES + slot_count * ENTRY_SLOT_BYTES, PAGE)
+    arena_size = (size_bytes - arena_offset) // ALIGN * ALIGN
+    if arena_size < PAGE:
+        raise PoolError(f"a pool of {size_bytes} bytes with {slot_count} entry slots leaves no arena; "
+                        f"give it at least {arena_offset + PAGE} bytes or fewer max_entries")
+    return size_bytes, slot_count, arena_offset, arena_size
 
 
 class Store:
