@@ -133,6 +133,12 @@ class Run:
         self.figures[label] = figure
         return figure
 
+    def combine(self, label: str, first: str, second: str) -> Figure:
+        """A figure whose samples are the sums of two figures' samples, paired in sorted order
+        (e.g. export + import, measured apart)."""
+        a, b = sorted(self.figures[first].samples), sorted(self.figures[second].samples)
+        return self.record(label, [x + y for x, y in zip(a, b)])
+
     def ratio(self, label: str, *, ours: str, baseline: str, goal: float | None = None) -> Ratio:
         """baseline / ours over the medians, with the spread from the extremes of both."""
         a, b = self.figures[ours], self.figures[baseline]
@@ -176,3 +182,23 @@ class Run:
         print(self.table())
         print(f"\nwritten to {path}")
         return path
+
+
+class Holder:
+    """Pool entries a benchmark puts, given back between samples (as a harness `setup`), so every
+    sample starts from the same pool."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.ids: list[int] = []
+
+    def hold(self, info) -> None:
+        """Keep an entry put by the measured operation."""
+        self.ids.append(info.id)
+
+    def drop(self) -> None:
+        """Release and evict every entry held."""
+        while self.ids:
+            entry_id = self.ids.pop()
+            self.pool.release(entry_id)
+            self.pool.evict(entry_id)

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import Run  # noqa: E402
+from benchmarks.harness import Holder, Run  # noqa: E402
 from engines import models  # noqa: E402
 from engines.base import StepRequest  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
@@ -51,17 +51,10 @@ def bench_length(run: Run, engine: LlamaCppEngine, pool: Pool, high_level, n: in
     pointer = flat.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     run.measure(f"raw get_data {n}", lambda: api.llama_state_seq_get_data(ctx, pointer, size, seq), repeat=repeat,
                 nbytes=size)
-    held = []
-
-    def drop_held():
-        while held:
-            entry = held.pop()
-            pool.release(entry)
-            pool.evict(entry)
-
-    run.measure(f"export {n}", lambda: held.append(engine.export(seq, pool, tokens).id), repeat=repeat,
-                setup=drop_held, nbytes=size)
-    drop_held()
+    held = Holder(pool)
+    run.measure(f"export {n}", lambda: held.hold(engine.export(seq, pool, tokens)), repeat=repeat,
+                setup=held.drop, nbytes=size)
+    held.drop()
     entry = engine.export(seq, pool, tokens)
     target = engine.new_sequence()
 
@@ -94,30 +87,21 @@ def bench_length(run: Run, engine: LlamaCppEngine, pool: Pool, high_level, n: in
 
     for ours, theirs in ((f"export {n}", f"memcpy {n}"), (f"import {n}", f"memcpy {n}")):
         run.ratio(f"{ours.split()[0]} / memcpy at {n}", ours=ours, baseline=theirs, goal=0.5)
-    _sum(run, f"ours {n}", f"export {n}", f"import {n}")
-    _sum(run, f"raw API {n}", f"raw get_data {n}", f"raw set_data {n}")
-    _sum(run, f"save+load_state {n}", f"Llama.save_state {n}", f"Llama.load_state {n}")
+    run.combine(f"ours {n}", f"export {n}", f"import {n}")
+    run.combine(f"raw API {n}", f"raw get_data {n}", f"raw set_data {n}")
+    run.combine(f"save+load_state {n}", f"Llama.save_state {n}", f"Llama.load_state {n}")
     run.ratio(f"raw API / ours at {n} (bound)", ours=f"ours {n}", baseline=f"raw API {n}", goal=1 / 1.2)
     run.ratio(f"save+load_state / ours at {n}", ours=f"ours {n}", baseline=f"save+load_state {n}")
     run.ratio(f"re-prefill / restore at {n}", ours=f"import {n}", baseline=prefill_figure.label,
               goal=300 if n == 1024 else None)
     engine.free_sequence(seq)
-    drop_entry(pool, entry.id)
+    held.hold(entry)
+    held.drop()
 
 
 def _prefill(engine: LlamaCppEngine, seq: int, tokens: list[int]) -> None:
     engine.truncate(seq, 0)
     engine.step([StepRequest(seq, tokens, "last")])
-
-
-def _sum(run: Run, label: str, first: str, second: str) -> None:
-    a, b = run.figures[first].samples, run.figures[second].samples
-    run.record(label, [x + y for x, y in zip(sorted(a), sorted(b))])
-
-
-def drop_entry(pool: Pool, entry_id: int) -> None:
-    pool.release(entry_id)
-    pool.evict(entry_id)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import Run  # noqa: E402
+from benchmarks.harness import Holder, Run  # noqa: E402
 from engines import models  # noqa: E402
 
 TEXT = ("Shared memory lets several processes see the same bytes. A key-value cache holds the attention state "
@@ -96,17 +96,10 @@ def bench_state(run: Run, model: Path, tokens: int, repeat: int) -> None:
     size = max(64 << 20, 4 * nbytes)
     pool = Pool.create(f"bench-mlx-{os.getpid()}", size, budget=Budget(size, None, "benchmark"))
     try:
-        held = []
-
-        def drop():
-            while held:
-                entry = held.pop()
-                pool.release(entry)
-                pool.evict(entry)
-
-        run.measure(f"export {tokens}", lambda: held.append(engine.export(seq, pool, prompt).id), repeat=repeat,
-                    setup=drop, nbytes=nbytes)
-        drop()
+        held = Holder(pool)
+        run.measure(f"export {tokens}", lambda: held.hold(engine.export(seq, pool, prompt)), repeat=repeat,
+                    setup=held.drop, nbytes=nbytes)
+        held.drop()
         entry = engine.export(seq, pool, prompt)
         other = engine.new_sequence()
 
@@ -148,8 +141,8 @@ def bench_state(run: Run, model: Path, tokens: int, repeat: int) -> None:
         engine.close()
     for op in ("export", "import"):
         run.ratio(f"{op} / memcpy at {tokens}", ours=f"{op} {tokens}", baseline=f"memcpy {tokens}", goal=0.5)
-    _sum(run, f"ours {tokens}", f"export {tokens}", f"import {tokens}")
-    _sum(run, f"save+load_prompt_cache {tokens}", f"save_prompt_cache {tokens}", f"load_prompt_cache {tokens}")
+    run.combine(f"ours {tokens}", f"export {tokens}", f"import {tokens}")
+    run.combine(f"save+load_prompt_cache {tokens}", f"save_prompt_cache {tokens}", f"load_prompt_cache {tokens}")
     run.ratio(f"save+load_prompt_cache / ours at {tokens}", ours=f"ours {tokens}",
               baseline=f"save+load_prompt_cache {tokens}", goal=2)
     run.ratio(f"LRUPromptCache fetch+step / fork+step at {tokens}", ours=f"fork + first step {tokens}",
@@ -162,11 +155,6 @@ def _refill(engine, seq, prompt) -> None:
 
     engine.truncate(seq, 0)
     engine.step([StepRequest(seq, prompt)])
-
-
-def _sum(run: Run, label: str, first: str, second: str) -> None:
-    a, b = run.figures[first].samples, run.figures[second].samples
-    run.record(label, [x + y for x, y in zip(sorted(a), sorted(b))])
 
 
 def main(argv: list[str] | None = None) -> Path | None:

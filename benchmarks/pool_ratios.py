@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import Run  # noqa: E402
+from benchmarks.harness import Holder, Run  # noqa: E402
 from kvpool import Budget, KVArray, Pool  # noqa: E402
 from kvpool.allocator import Allocator  # noqa: E402
 
@@ -53,17 +53,10 @@ def bench_put_get(run: Run, pool: Pool, label: str, arrays: list[KVArray], repea
     target = np.empty_like(flat)
     run.measure(f"memcpy {label}", lambda: np.copyto(target, flat), repeat=repeat, nbytes=nbytes)
 
-    held = []
-
-    def evict_last():
-        while held:
-            entry_id = held.pop()
-            pool.release(entry_id)
-            pool.evict(entry_id)
-
-    run.measure(f"put {label}", lambda: held.append(pool.put("bench", tokens, arrays).id), repeat=repeat,
-                setup=evict_last, nbytes=nbytes)
-    evict_last()
+    held = Holder(pool)
+    run.measure(f"put {label}", lambda: held.hold(pool.put("bench", tokens, arrays)), repeat=repeat,
+                setup=held.drop, nbytes=nbytes)
+    held.drop()
     entry = pool.put("bench", tokens, arrays)
     destinations = {a.name: np.empty_like(a.data) for a in arrays}
 

@@ -16,6 +16,8 @@ def test_run_measures_ratios_and_writes_json(tmp_path):
     run.record("slower", [2 * s for s in run.figures["memcpy"].samples])
     ratio = run.ratio("slower / memcpy", ours="slower", baseline="memcpy", goal=0.8)
     assert abs(ratio.value - 0.5) < 1e-9 and ratio.met is False
+    both = run.combine("memcpy + slower", "memcpy", "slower")
+    assert both.samples == [3 * s for s in sorted(run.figures["memcpy"].samples)]
     run.note("answer", 42)
     path = run.finish()
     data = json.loads(path.read_text())
