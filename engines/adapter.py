@@ -9,6 +9,9 @@ from engines.errors import EngineError, WrongThread
 from engines.options import OptionSpec
 
 
+LOGITS = ("last", "all", "none")
+
+
 class Adapter:
     """Base of the runtime adapters. Subclasses set OPTIONS and call `_claim_thread()` first."""
 
@@ -28,6 +31,14 @@ class Adapter:
         if threading.get_ident() != self._owner:
             raise WrongThread(f"a {self.runtime} engine is called only from the thread that created it (the "
                               "scheduler thread that owns it); hand the work to that thread")
+
+    def _check_requests(self, requests) -> None:
+        """Refuse a step request asking for logits other than "last", "all" or "none" (a typo
+        would otherwise return nothing, silently)."""
+        for request in requests:
+            if request.logits not in LOGITS:
+                raise EngineError(f"step request for sequence {request.seq} asks for logits={request.logits!r}; "
+                                  f"use one of {', '.join(LOGITS)}")
 
     def length(self, seq: int) -> int:
         """Positions held by `seq`."""

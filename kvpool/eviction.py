@@ -34,15 +34,3 @@ def ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
 def eviction_order(candidates: Iterable[Candidate]) -> list[int]:
     """Entry ids in eviction order."""
     return [candidate.entry_id for candidate in ranked(candidates)]
-
-
-def victims(candidates: Iterable[Candidate], need_bytes: int) -> list[int] | None:
-    """The shortest prefix of the eviction order that frees `need_bytes`, or None if all of
-    them together cannot."""
-    chosen, freed = [], 0
-    for candidate in ranked(candidates):
-        if freed >= need_bytes:
-            break
-        chosen.append(candidate.entry_id)
-        freed += candidate.stored_bytes
-    return chosen if freed >= need_bytes else None

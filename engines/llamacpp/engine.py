@@ -246,6 +246,7 @@ class LlamaCppEngine(Adapter):
         """One forward over several sequences (split into llama_decode calls of at most
         batch_size tokens); per request, its logits rows (float32, copied) or None."""
         self._check_thread()
+        self._check_requests(requests)
         plan = []  # (request index, seq, token, position, wants logits)
         for index, request in enumerate(requests):
             start = self._length(request.seq)

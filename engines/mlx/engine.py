@@ -230,6 +230,7 @@ class MlxEngine(Adapter):
         """Each request in turn through the model (prefill in chunks of prefill_chunk tokens);
         per request, its logits rows (float32, copied) or None."""
         self._check_thread()
+        self._check_requests(requests)
         mx, chunk = self._mx, self._values["prefill_chunk"]
         results = []
         for request in requests:

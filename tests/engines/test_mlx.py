@@ -257,3 +257,11 @@ def test_too_late_for_openblas_is_said_plainly():
     script = "import mlx.core; from engines.mlx import blas; print(blas.preload().reason)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "imported before" in done.stdout and "LD_PRELOAD" in done.stdout
+
+
+def test_a_step_asking_for_unknown_logits_is_refused(engine_for, tiny_mlx):
+    for engine in (engine_for("f32"), MlxEngine(tiny_mlx)):
+        seq = engine.new_sequence()
+        with pytest.raises(EngineError, match="logits='Last'"):
+            engine.step([StepRequest(seq, [1, 2], "Last")])
+        assert engine.length(seq) == 0
