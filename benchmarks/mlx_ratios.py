@@ -45,7 +45,7 @@ def prefill_child(weights: str, blas: str, tokens: int, model: Path) -> None:
     from engines.mlx import blas as blas_status
     from engines.mlx.engine import MlxEngine
 
-    engine = MlxEngine(model, dequantize=weights == "dequantized")
+    engine = MlxEngine(model, dequantize="on" if weights == "dequantized" else "off")
     assert (blas_status.preload().path is not None) == (blas == "openblas"), blas_status.preload()
     prompt = (engine.tokenize(TEXT) * (tokens // 20 + 2))[:tokens]
     engine.step([StepRequest(engine.new_sequence(), prompt[:16])])  # warm up

@@ -46,9 +46,11 @@ class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ArrayLayout(msgspec.Struct, frozen=True, array_like=True, tag="arrays"):
-    """Named arrays, each at an offset in the data extent."""
+    """Named arrays, each at an offset in the data extent, and the plain values an engine needs
+    beside them to rebuild its cache (an MLX cache's class, offset, window, bits...)."""
 
     arrays: tuple[ArraySpec, ...]
+    engine_values: tuple[tuple[str, Union[int, str]], ...] = ()  # (name, value) pairs, sorted by name
 
 
 class BlobLayout(msgspec.Struct, frozen=True, array_like=True, tag="blob"):
@@ -104,7 +106,8 @@ def spec_nbytes(spec: ArraySpec) -> int:
     return math.prod(spec.shape) * _ITEMSIZE[spec.dtype]
 
 
-def plan(templates: Sequence[ArrayTemplate], capacity: int) -> tuple[ArrayLayout, int]:
+def plan(templates: Sequence[ArrayTemplate], capacity: int,
+         engine_values: dict[str, int | str] | None = None) -> tuple[ArrayLayout, int]:
     """Lay out `templates` with room for `capacity` cells: (layout, data bytes)."""
     specs, offset, names = [], 0, set()
     for template in templates:
@@ -123,7 +126,7 @@ def plan(templates: Sequence[ArrayTemplate], capacity: int) -> tuple[ArrayLayout
         spec = ArraySpec(template.name, dtype, tuple(int(d) for d in shape), template.token_axis, offset)
         specs.append(spec)
         offset = align_up(offset + spec_nbytes(spec), ALIGN)
-    return ArrayLayout(tuple(specs)), max(offset, ALIGN)
+    return ArrayLayout(tuple(specs), tuple(sorted((engine_values or {}).items()))), max(offset, ALIGN)
 
 
 def templates_of(layout: ArrayLayout) -> list[ArrayTemplate]:

@@ -145,16 +145,17 @@ class Pool(Compacting):
 
     # ----------------------------------------------------------------------------- writing
 
-    def put(self, identity: str, tokens, arrays: Sequence[KVArray], *, capacity: int | None = None,
-            tag: str = "", recompute_cost: float | None = None) -> EntryInfo | None:
-        """Store `arrays` (one copy each, hashed on the way) as a new entry held once by the caller.
-        None when the budget has no room even after compaction and eviction."""
+    def put(self, identity: str, tokens, arrays: Sequence[KVArray], *, capacity: int | None = None, tag: str = "",
+            recompute_cost: float | None = None, engine_values: dict | None = None) -> EntryInfo | None:
+        """Store `arrays` (one copy each, hashed on the way) and the engine's plain `engine_values`
+        as a new entry held once by the caller. None when the budget has no room even after
+        compaction and eviction."""
         live = layouts.live_tokens_of(arrays)
         tokens = validation.token_ids(tokens)
         if live is not None and live != len(tokens):
             raise LayoutError(f"arrays hold {live} cells but {len(tokens)} token ids were given")
         writer = self.reserve(identity, tokens, [layouts.template_of(a) for a in arrays], capacity=capacity,
-                              tag=tag, recompute_cost=recompute_cost)
+                              tag=tag, recompute_cost=recompute_cost, engine_values=engine_values)
         if writer is None:
             return None
         with writer:
@@ -173,14 +174,14 @@ class Pool(Compacting):
             return writer.commit(writer.fill_blob(source))
 
     def reserve(self, identity: str, tokens, templates: Sequence[ArrayTemplate], *, capacity: int | None = None,
-                tag: str = "", recompute_cost: float | None = None) -> Writer | None:
+                tag: str = "", recompute_cost: float | None = None, engine_values: dict | None = None) -> Writer | None:
         """Reserve a new array entry with room for `capacity` cells (default: the tokens given) and
         return a Writer whose views the engine fills directly; None when there is no room."""
         tokens = validation.token_ids(tokens)
         capacity = len(tokens) if capacity is None else capacity
         if capacity < len(tokens):
             raise LayoutError(f"capacity {capacity} is less than the {len(tokens)} tokens given")
-        layout, data_length = layouts.plan(templates, capacity)
+        layout, data_length = layouts.plan(templates, capacity, validation.engine_values(engine_values))
         return self._reserve(identity, tokens, layout, data_length, capacity, tag, recompute_cost)
 
     def reserve_blob(self, identity: str, tokens, nbytes: int, *, tag: str = "",

@@ -27,6 +27,7 @@ CACHE_TYPES: dict[str, tuple[int, int]] = {
     "q5_0": (32, 22),
     "q5_1": (32, 24),
     "iq4_nl": (32, 18),
+    "bytes": (1, 1),  # a price an engine measured itself, in bytes (MLX's quantized cache)
 }
 
 

@@ -158,7 +158,8 @@ class Store:
         The bytes moved, or None when the new extents do not fit (nothing changed)."""
         old = record.header
         if isinstance(record.layout, ArrayLayout):
-            layout, data_length = layouts.plan(layouts.templates_of(record.layout), capacity)
+            layout, data_length = layouts.plan(layouts.templates_of(record.layout), capacity,
+                                               dict(record.layout.engine_values))
         else:
             layout, data_length = record.layout, old.data_length
         layout_bytes = layouts.encode_layout(layout)

@@ -36,3 +36,21 @@ def recompute_cost(value: float | None, tokens: int) -> float:
     if not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
         raise LayoutError(f"recompute_cost must be a finite number >= 0 (seconds or tokens), got {value!r}")
     return float(cost)
+
+
+MAX_ENGINE_VALUES = 4096
+
+
+def engine_values(values) -> dict[str, int | str]:
+    """`values` (an engine's plain values for an entry) if a dict of at most MAX_ENGINE_VALUES
+    names of 1-MAX_TEXT bytes, each an int64 or a string of at most MAX_TEXT bytes."""
+    values = {} if values is None else values
+    if not isinstance(values, dict) or len(values) > MAX_ENGINE_VALUES:
+        raise LayoutError(f"engine values must be a dict of at most {MAX_ENGINE_VALUES} entries")
+    for key, value in values.items():
+        text_field("an engine value's name", key, allow_empty=False)
+        if isinstance(value, str):
+            text_field(f"engine value {key!r}", value, allow_empty=True)
+        elif isinstance(value, bool) or not isinstance(value, int) or not -(1 << 63) <= value < (1 << 63):
+            raise LayoutError(f"engine value {key!r} is {value!r}; use an int64 or a short string")
+    return values

@@ -179,9 +179,45 @@ def build_mlx(directory: Path, config: TinyConfig = TinyConfig(), dtype: str = "
     }))
     mx.save_safetensors(str(directory / "model.safetensors"),
                         {hf_name(name): mx.array(array).astype(getattr(mx, dtype)) for name, array in weights.items()})
+    _save_tokenizer(tokenizer, directory)
+    return directory
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    import json
+
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
         "unk_token": None, "add_bos_token": False, "chat_template": CHATML, "clean_up_tokenization_spaces": False,
     }))
+
+
+HYBRID_CONFIG = {
+    "model_type": "falcon_h1", "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "intermediate_size": 128, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 2,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": True,
+}
+
+
+def build_mlx_hybrid(directory: Path, seed: int = 0) -> Path:
+    """A tiny Falcon-H1 as an mlx-lm directory: each layer holds a CacheList of a recurrent
+    ArraysCache (the Mamba part) and a KVCache (attention), built by mlx-lm's own model class
+    with random weights."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import falcon_h1
+
+    tokenizer = train_tokenizer()
+    config = dict(HYBRID_CONFIG, vocab_size=len(tokenizer.get_vocab()))
+    mx.random.seed(seed)
+    model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(directory / "model.safetensors"), {k: v for k, v in weights.items() if not k.endswith("_mup_vector")})
+    _save_tokenizer(tokenizer, directory)
     return directory

@@ -30,24 +30,26 @@ import numpy as np
 from engines import identity as identities
 from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
-from engines.errors import EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
-from engines.mlx import blas, gguf, settings
-from kvpool import Device, EntryInfo, EntryView, KVArray, Pool, pricing
+from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, OptionError, RuntimeUnavailable,
+                            StateError)
+from engines.mlx import batch as batching
+from engines.mlx import blas, caches, gguf, price, settings
+from kvpool import Device, EntryInfo, EntryView, KVArray, Pool
 
 RUNTIME = "mlx"
+ROTATING_KEEP = 4  # first tokens a rotating cache never drops (mlx-lm's own choice for max_kv_size)
 INSTALL = 'pip install "mlx[cpu]==0.32.4" "mlx-lm==0.32.2" (on macOS: mlx without the [cpu] extra)'
-_KV_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def _import_mlx():
     blas.preload()  # must come before MLX loads: libmlx binds its BLAS then
     try:
         import mlx.core as mx
-        from mlx_lm.models import cache as caches
+        from mlx_lm.models import cache as cache_module
         from mlx_lm.utils import load_model, load_tokenizer
     except (ImportError, OSError) as exc:
         raise RuntimeUnavailable(f"MLX runtime not usable here ({exc}); install it: {INSTALL}") from None
-    return mx, caches, load_model, load_tokenizer
+    return mx, cache_module, load_model, load_tokenizer
 
 
 class MlxEngine(Adapter):
@@ -57,10 +59,10 @@ class MlxEngine(Adapter):
     OPTIONS = settings.OPTIONS
 
     def __init__(self, model_path: str | Path, **options: Any) -> None:
-        """Load the model directory `model_path` (never a hub name) with `options`."""
+        """Load the model directory or GGUF file at `model_path` (never a hub name) with `options`."""
         self._claim_thread()
         self._values = settings.check(options)
-        self._mx, self._caches_module, load_model, load_tokenizer = _import_mlx()
+        self._mx, self._module, load_model, load_tokenizer = _import_mlx()
         path = Path(model_path)
         if path.is_file() and path.suffix.lower() == ".gguf":
             self._model, self._config, self._tokenizer = gguf.load(path, self._values["dequantize"])
@@ -74,45 +76,66 @@ class MlxEngine(Adapter):
             raise ModelLoadError(f"no model at {path}: MLX loads an mlx-lm model directory (config.json and "
                                  "safetensors weights) or a llama GGUF file")
         self._previous_cache_limit = None
-        if self._values["cache_limit_mb"]:
-            self._previous_cache_limit = self._mx.set_cache_limit(self._values["cache_limit_mb"] << 20)
         self._sequences: dict[int, list] = {}
         self._sharing: dict[tuple[int, int], set[int]] = {}  # (seq, layer) -> sequences sharing its buffers
+        self._batch: batching.DecodeBatch | None = None
         self._copied = self._copies = self._reclaimed = 0
         self._next_seq = 0
-        self._kv_dtype = self._model_dtype()
+        self._model_kv, self._signature = self._probe()
         self._descriptor = self._describe(path)
+        if self._values["cache_limit_mb"]:
+            self._previous_cache_limit = self._mx.set_cache_limit(self._values["cache_limit_mb"] << 20)
 
     # ----------------------------------------------------------------------------- description
 
-    def _model_dtype(self):
-        mx = self._mx
-        for _, array in _leaves(self._model.parameters()):
-            if array.dtype in (mx.float32, mx.float16, mx.bfloat16):
-                return array.dtype
-        return mx.float32
+    def _new_caches(self) -> list:
+        """A fresh cache per layer: the model's own, each plain KVCache made rotating or quantized
+        where the options ask (mlx-lm's make_prompt_cache ignores max_kv_size for models that
+        make their own caches, llama among them)."""
+        return [self._convert(layer) for layer in self._module.make_prompt_cache(self._model)]
 
-    def _kv_shape(self) -> tuple[int, int, int]:
-        config = self._config
-        heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        return config["num_hidden_layers"], kv_heads, head_dim
+    def _convert(self, layer):
+        name = type(layer).__name__
+        if name == "KVCache" and self._values["max_kv_size"]:
+            return self._module.RotatingKVCache(max_size=self._values["max_kv_size"], keep=ROTATING_KEEP)
+        if name == "KVCache" and self._values["kv_bits"]:
+            return self._module.QuantizedKVCache(group_size=self._values["kv_group_size"], bits=self._values["kv_bits"])
+        if name == "CacheList":
+            return self._module.CacheList(*(self._convert(member) for member in layer.caches))
+        return layer
+
+    def _probe(self):
+        """Price a cell from a probe sequence's live bytes after one and two tokens, and record
+        the shape of every array an export writes (an import is checked against it)."""
+        layers = self._new_caches()
+        lengths = []
+        try:
+            for token in (0, 1):
+                self._model(self._mx.array([[token]]), cache=layers)
+                self._mx.eval([caches.buffers(c) for c in layers])
+                lengths.append(price.live_bytes(layers))
+        except ValueError as exc:  # MLX's quantize refuses a group size that does not divide the head
+            raise OptionError(f"mlx: the KV cache cannot be quantized with kv_group_size="
+                              f"{self._values['kv_group_size']} ({exc}); pick a group size dividing the head "
+                              "dimension, or kv_bits=0") from None
+        signature = {p.name: (_stored_dtype(p.buffer), _fixed_shape(p.buffer.shape, p.live is not None), p.token_axis)
+                     for index, layer in enumerate(layers) for p in caches.parts(layer, f"{index}.")}
+        signature.update({k: v for index, layer in enumerate(layers)
+                          for k, v in caches.values(layer, f"{index}.").items() if k.endswith(".class")})
+        return price.measure(layers, *lengths), signature
 
     def _describe(self, path: Path) -> Descriptor:
-        layers, kv_heads, head_dim = self._kv_shape()
-        kv_type = _KV_TYPES[str(self._kv_dtype).split(".")[-1]]
-        model_kv = pricing.uniform(layers, kv_heads, head_dim, kv_type)
         versions = f"mlx {importlib.metadata.version('mlx')}, mlx-lm {importlib.metadata.version('mlx-lm')}"
-        settings_used = {"kv_dtype": kv_type, "config": json.dumps(self._config, sort_keys=True)}
+        settings_used = {name: self._values[name] for name in settings.IDENTITY_OPTIONS}
+        settings_used.update(dtype=str(_model_dtype(self._mx, self._model)), config=json.dumps(self._config, sort_keys=True))
         weights = identities.file_digest(path) if path.is_file() else identities.tree_digest(path)
         ident = identities.compose(RUNTIME, weights, versions, settings_used)
         eos = (self._tokenizer.eos_token_id,) if self._tokenizer.eos_token_id is not None else ()
         packing = Packing(mixes_prefill_and_decode=False, max_tokens=self._values["prefill_chunk"],
                           max_sequences=self._values["max_sequences"], copies_on_lane_change=True)
         context = self._config.get("max_position_embeddings") or 0
-        return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, model_kv,
-                          pricing.bytes_per_token(model_kv), context, self._config["vocab_size"], packing, Device(),
+        return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, self._model_kv,
+                          price.cell_price(self._model_kv), context, self._config["vocab_size"], packing, Device(),
                           self._tokenizer.bos_token_id, eos, self._tokenizer.chat_template)
 
     def describe(self) -> Descriptor:
@@ -140,26 +163,33 @@ class MlxEngine(Adapter):
             raise NoRoom(f"all {self._values['max_sequences']} sequences are in use; free one or raise max_sequences")
         seq = self._next_seq
         self._next_seq += 1
-        self._sequences[seq] = self._caches_module.make_prompt_cache(self._model)
+        self._sequences[seq] = self._new_caches()
         self._lengths[seq] = 0
         return seq
 
+    def _own(self, seq: int) -> list:
+        """`seq`'s caches, taken back out of a decode batch first if it is in one."""
+        self._length(seq)
+        if self._batch is not None and seq in self._batch.members:
+            self._dissolve()
+        return self._sequences[seq]
+
     def free_sequence(self, seq: int) -> None:
         """Drop `seq` and its KV."""
-        self._length(seq)
+        self._own(seq)
         self._unshare(seq)
         del self._sequences[seq], self._lengths[seq]
 
     def fork(self, seq: int) -> int:
-        """A new sequence whose caches share the parent's arrays (nothing copied now)."""
-        length = self._length(seq)
+        """A new sequence whose caches share the parent's buffers (nothing copied now)."""
+        parent = self._own(seq)
         child = self.new_sequence()
-        for layer, (mine, theirs) in enumerate(zip(self._sequences[child], self._sequences[seq])):
-            mine.keys, mine.values, mine.offset = theirs.keys, theirs.values, theirs.offset
+        self._sequences[child] = [caches.share(layer) for layer in parent]
+        for layer in range(len(parent)):
             group = self._sharing.setdefault((seq, layer), {seq})
             group.add(child)
             self._sharing[(child, layer)] = group
-        self._lengths[child] = length
+        self._lengths[child] = self._lengths[seq]
         return child
 
     def _unshare(self, seq: int, count_copies: bool = False) -> None:
@@ -170,9 +200,9 @@ class MlxEngine(Adapter):
             if group is None:
                 continue
             group.discard(seq)
-            if count_copies and group and cache.keys is not None:
-                self._copied += cache.keys.nbytes + cache.values.nbytes
-                self._copies += 2
+            if count_copies and group:
+                self._copied += caches.held_nbytes(cache)
+                self._copies += len(caches.buffers(cache))
             if len(group) == 1:  # the last holder writes in place from now on
                 self._sharing.pop((next(iter(group)), layer), None)
 
@@ -181,122 +211,213 @@ class MlxEngine(Adapter):
         length = self._length(seq)
         if not 0 <= tokens <= length:
             raise EngineError(f"cannot keep {tokens} tokens of a sequence of {length}")
-        for cache in self._sequences[seq]:
-            cache.trim(length - tokens)
+        layers = self._own(seq)
+        if tokens < length and not all(layer.is_trimmable() for layer in layers):
+            raise EngineError(f"sequence {seq} cannot be cut back: its recurrent state or a rotating cache that "
+                              "has wrapped keeps no earlier positions; start a new sequence and prefill the prefix")
+        for layer in layers:
+            layer.trim(length - tokens)
         self._lengths[seq] = tokens
         self.compact(seq)
 
     def slack_bytes(self, seq: int) -> int:
-        """Bytes `seq`'s buffers hold past its live tokens."""
-        self._length(seq)
-        return sum(c.keys.nbytes + c.values.nbytes - _live_nbytes(c) for c in self._sequences[seq] if c.keys is not None)
+        """Bytes `seq`'s buffers hold past its live cells."""
+        return sum(caches.held_nbytes(c) - caches.live_nbytes(c) for c in self._own(seq))
 
     def compact(self, seq: int) -> int:
-        """Give back the slack of `seq`'s unshared buffers beyond one step past its live tokens:
-        each such layer is rewritten at its live size rounded up to a step (one counted copy of
-        the live cells). Returns the bytes given back."""
-        self._length(seq)
-        mx, step = self._mx, self._caches_module.KVCache.step
+        """Give back the slack of `seq`'s unshared growing buffers beyond one step past its live
+        cells: each is rewritten at its live size rounded up to a step (one counted copy of the
+        live cells). Returns the bytes given back."""
         reclaimed = 0
-        for layer, cache in enumerate(self._sequences[seq]):
-            if cache.keys is None or (seq, layer) in self._sharing:
-                continue
-            capacity = max(step, -(-cache.offset // step) * step)
-            if cache.keys.shape[2] <= capacity:
-                continue
-            before = cache.keys.nbytes + cache.values.nbytes
-            live = _live_nbytes(cache)
-            cache.keys, cache.values = (self._regrow(buffer, cache.offset, capacity) for buffer in (cache.keys, cache.values))
-            mx.eval(cache.keys, cache.values)
-            reclaimed += before - cache.keys.nbytes - cache.values.nbytes
-            self._copied += live
-            self._copies += 2
+        for layer, cache in enumerate(self._own(seq)):
+            if (seq, layer) not in self._sharing:
+                reclaimed += self._compact_cache(cache)
         self._reclaimed += reclaimed
         return reclaimed
 
+    def _compact_cache(self, cache) -> int:
+        name = type(cache).__name__
+        if name == "CacheList":
+            return sum(self._compact_cache(member) for member in cache.caches)
+        if name not in ("KVCache", "QuantizedKVCache") or cache.keys is None:
+            return 0
+        step = caches.step_of(self._module, name)
+        capacity = max(step, -(-cache.offset // step) * step)
+        held = caches.buffers(cache)
+        if held[0].shape[2] <= capacity:
+            return 0
+        before, live = caches.held_nbytes(cache), caches.live_nbytes(cache)
+        if name == "KVCache":
+            cache.keys, cache.values = (self._regrow(b, cache.offset, capacity) for b in (cache.keys, cache.values))
+        else:
+            cache.keys, cache.values = (tuple(self._regrow(b, cache.offset, capacity) for b in group)
+                                        for group in (cache.keys, cache.values))
+        self._mx.eval(caches.buffers(cache))
+        self._copied += live
+        self._copies += len(held)
+        return before - caches.held_nbytes(cache)
+
     def _regrow(self, buffer, live: int, capacity: int):
         """A fresh buffer of `capacity` cells holding `buffer`'s first `live` cells (one copy)."""
-        mx = self._mx
-        fresh = mx.zeros((*buffer.shape[:2], capacity, buffer.shape[3]), buffer.dtype)
-        return mx.concatenate([buffer[:, :, :live, :], fresh[:, :, live:, :]], axis=2) if live else fresh
+        fresh = self._mx.zeros((*buffer.shape[:2], capacity, *buffer.shape[3:]), buffer.dtype)
+        if live:
+            fresh[:, :, :live] = buffer[:, :, :live]
+        return fresh
 
     def stats(self) -> EngineStats:
-        """KV bytes this engine copied itself (fork copy-on-write, compaction) and gave back."""
+        """KV bytes this engine copied itself (fork copy-on-write, batch joins and leaves,
+        compaction) and what compaction gave back."""
         return EngineStats(self._copied, self._copies, self._reclaimed)
 
     # ----------------------------------------------------------------------------- forward
 
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
-        """Each request in turn through the model (prefill in chunks of prefill_chunk tokens);
-        per request, its logits rows (float32, copied) or None."""
+        """One token each for several sequences decodes in one batched forward; anything else runs
+        request by request (prefill in chunks of prefill_chunk tokens). Per request, its logits
+        rows (float32, copied) or None."""
         self._check_thread()
         self._check_requests(requests)
-        mx, chunk = self._mx, self._values["prefill_chunk"]
-        results = []
+        context = self._descriptor.context_length
         for request in requests:
-            self._length(request.seq)
-            tokens = [int(t) for t in request.tokens]
-            if tokens:
-                self._unshare(request.seq, count_copies=True)
-            rows = []
-            for start in range(0, len(tokens), chunk):
-                part = tokens[start:start + chunk]
-                logits = self._model(mx.array([part]), cache=self._sequences[request.seq])[0]
-                if request.logits == "all":
-                    rows.append(logits)
-                elif request.logits == "last" and start + chunk >= len(tokens):
-                    rows.append(logits[-1:])
-                mx.eval(rows, [c.keys for c in self._sequences[request.seq]])
-                self._lengths[request.seq] += len(part)
-            results.append(np.concatenate([np.array(r.astype(mx.float32)) for r in rows]) if rows else None)
-        return results
+            length = self._length(request.seq)
+            if context and length + len(request.tokens) > context:
+                raise NoRoom(f"sequence {request.seq} would reach {length + len(request.tokens)} positions; the "
+                             f"model takes {context} (max_position_embeddings): trim it or start a new one")
+        seqs = tuple(r.seq for r in requests)
+        if (len(requests) > 1 and len(set(seqs)) == len(seqs) and all(len(r.tokens) == 1 for r in requests)
+                and batching.batchable([self._sequences[s] for s in seqs if not self._batched(s)])):
+            return self._decode_together(requests)
+        return [self._forward(request) for request in requests]
+
+    def _batched(self, seq: int) -> bool:
+        return self._batch is not None and seq in self._batch.members
+
+    def _forward(self, request: StepRequest) -> np.ndarray | None:
+        mx, chunk = self._mx, self._values["prefill_chunk"]
+        tokens = [int(t) for t in request.tokens]
+        layers = self._own(request.seq)
+        if tokens:
+            self._unshare(request.seq, count_copies=True)
+        rows = []
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            logits = self._model(mx.array([part]), cache=layers)[0]
+            if request.logits == "all":
+                rows.append(logits)
+            elif request.logits == "last" and start + chunk >= len(tokens):
+                rows.append(logits[-1:])
+            mx.eval(rows, [caches.buffers(c) for c in layers])
+            self._lengths[request.seq] += len(part)
+        return np.concatenate([np.array(r.astype(mx.float32)) for r in rows]) if rows else None
+
+    def _decode_together(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
+        """One forward for one token of each sequence, through a batch kept while its members
+        stay the same (joining and leaving copy KV; counted)."""
+        mx = self._mx
+        members = tuple(r.seq for r in requests)
+        if self._batch is None or set(self._batch.members) != set(members):
+            if self._batch is not None:
+                self._dissolve()
+            for seq in members:
+                self._unshare(seq)  # the lane's buffers are copied into the batch, never written
+            copies = batching.Copies()
+            self._batch = batching.join(self._module, members, [self._sequences[s] for s in members], copies)
+            for seq in members:
+                self._sequences[seq] = []  # the batch holds the lane now
+            self._count(copies)
+        lanes = {seq: lane for lane, seq in enumerate(self._batch.members)}
+        tokens = mx.array([[int(request.tokens[0])] for request in sorted(requests, key=lambda r: lanes[r.seq])])
+        logits = self._model(tokens, cache=self._batch.layers)[:, -1, :]
+        mx.eval(logits, [[layer.keys, layer.values] for layer in self._batch.layers])
+        rows = np.array(logits.astype(mx.float32))
+        for seq in members:
+            self._lengths[seq] += 1
+        return [None if r.logits == "none" else rows[lanes[r.seq]:lanes[r.seq] + 1].copy() for r in requests]
+
+    def _dissolve(self) -> None:
+        """Every lane of the decode batch back in its own caches (one counted copy each)."""
+        copies = batching.Copies()
+        self._sequences.update(batching.leave(self._mx, self._module, self._batch, copies))
+        self._batch = None
+        self._count(copies)
+
+    def _count(self, copies: batching.Copies) -> None:
+        self._copied += copies.bytes
+        self._copies += copies.arrays
 
     # ----------------------------------------------------------------------------- pool
 
     def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
                recompute_cost: float | None = None) -> EntryInfo | None:
-        """Write `seq`'s live cells into a new pool entry: numpy aliases MLX's buffers, and the
-        pool copies each layer's live K and V once. None when the pool has no room."""
+        """Write `seq`'s live arrays into a new pool entry (numpy aliases MLX's buffers and the
+        pool copies each once) with the plain values that rebuild its caches in the entry's
+        layout record. None when the pool has no room."""
         length = self._length(seq)
         if len(tokens) != length:
             raise EngineError(f"sequence {seq} holds {length} positions but {len(tokens)} tokens were given")
-        caches = self._sequences[seq]
-        self._mx.eval([c.keys for c in caches if c.keys is not None], [c.values for c in caches if c.values is not None])
-        arrays = []
-        for index, cache in enumerate(caches):
-            for part, buffer in (("k", cache.keys), ("v", cache.values)):
-                arrays.append(KVArray(f"{index}.{part}", self._alias(buffer)[:, :, :length, :], token_axis=2))
-        return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost)
+        layers = self._own(seq)
+        self._mx.eval([caches.buffers(c) for c in layers])
+        arrays, plain = [], {}
+        for index, layer in enumerate(layers):
+            for part in caches.parts(layer, f"{index}."):
+                alias = self._alias(part.buffer)
+                arrays.append(KVArray(part.name, alias if part.live is None else alias[:, :, :part.live], part.token_axis))
+            plain.update(caches.values(layer, f"{index}."))
+        return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost,
+                        engine_values=plain)
 
     def import_(self, seq: int, view: EntryView) -> int:
-        """Replace `seq`'s caches with a pool entry's: each layer's K and V copied once, from pool
-        memory into a fresh step-rounded MLX buffer, checksum verified on the way. On any
-        refusal `seq` is left empty. Returns the positions restored."""
-        self._length(seq)
+        """Replace `seq`'s caches with a pool entry's: each array copied once, from pool memory into
+        a fresh MLX buffer (step-rounded where the cache grows), checksum verified on the way,
+        then each cache built through the running mlx-lm's own state. On any refusal `seq` is
+        left empty. Returns the positions restored."""
+        self._own(seq)
         if view.info.identity != self._descriptor.identity:
             raise IdentityMismatch(f"pool entry {view.info.id} was written by {view.info.identity}; this engine is "
                                    f"{self._descriptor.identity} (other weights, dtype or settings)")
         mx = self._mx
         self._unshare(seq)
-        self._sequences[seq] = self._caches_module.make_prompt_cache(self._model)
+        self._sequences[seq] = self._new_caches()
         self._lengths[seq] = 0
         n = view.info.tokens
-        layers, kv_heads, head_dim = self._kv_shape()
-        names = [f"{i}.{p}" for i in range(layers) for p in "kv"]
-        specs = {spec.name: spec for spec in getattr(view.layout, "arrays", ())}
-        if set(specs) != set(names) or any(s.shape[:2] != (1, kv_heads) or s.shape[3] != head_dim for s in specs.values()):
-            raise StateError(f"pool entry {view.info.id} does not hold this model's {layers} layers of K and V")
-        step = self._caches_module.KVCache.step
-        capacity = max(step, -(-n // step) * step)
-        buffers = {name: mx.zeros((1, kv_heads, capacity, head_dim), self._kv_dtype) for name in names}
+        specs, plain = self._check_entry(view)
+        buffers, destinations = {}, {}
+        for spec in specs:
+            shape = list(spec.shape)
+            grows = self._signature[spec.name][1][2:3] == (-1,)  # axis 2 holds cells (KV), not fixed state
+            stored = n if spec.token_axis == 2 else spec.shape[2] if grows else None
+            if grows:
+                shape[2] = caches.capacity_for(self._module, plain, spec.name.rsplit(".", 1)[0] + ".", stored)
+            buffers[spec.name] = mx.zeros(shape, _MLX_DTYPES[spec.dtype](mx))
+            destinations[spec.name] = stored
         mx.eval(list(buffers.values()))
-        destinations = {name: self._alias(buffer)[:, :, :n, :] for name, buffer in buffers.items()}
+        for name, stored in destinations.items():
+            alias = self._alias(buffers[name])
+            destinations[name] = alias if stored is None else alias[:, :, :stored]
         view.read_into(destinations)
         del destinations  # no numpy alias may outlive the copy: MLX writes in place only when alone
-        for index, cache in enumerate(self._sequences[seq]):
-            cache.keys, cache.values, cache.offset = buffers[f"{index}.k"], buffers[f"{index}.v"], n
+        layers = [caches.build(self._module, plain, f"{index}.", buffers) for index in range(len(self._sequences[seq]))]
+        self._sequences[seq] = layers
         self._lengths[seq] = n
         return n
+
+    def _check_entry(self, view: EntryView):
+        """The entry's array specs and plain values, if they are exactly what this engine's caches
+        export (names, dtypes, shapes and cache classes); StateError otherwise."""
+        specs = getattr(view.layout, "arrays", ())
+        plain = dict(getattr(view.layout, "engine_values", ()))
+        expected = {k for k, v in self._signature.items() if not isinstance(v, str)}
+        problems = sorted(expected ^ {s.name for s in specs})
+        for spec in specs:
+            dtype, fixed, axis = self._signature.get(spec.name, (None, None, None))
+            if spec.name in expected and (spec.dtype != dtype or spec.token_axis != axis
+                                          or _fixed_shape(spec.shape, fixed[2:3] == (-1,)) != fixed):
+                problems.append(spec.name)
+        problems += [k for k, v in self._signature.items() if isinstance(v, str) and plain.get(k) != v]
+        if problems:
+            raise StateError(f"pool entry {view.info.id} does not hold this model's caches (mismatch in "
+                             f"{', '.join(problems[:4])}); it was written by another model or adapter")
+        return specs, plain
 
     def _alias(self, array) -> np.ndarray:
         """A numpy view of an evaluated MLX array's buffer (bf16 through its 16-bit pattern)."""
@@ -310,9 +431,31 @@ class MlxEngine(Adapter):
         """Drop every sequence and restore MLX's cache limit if this engine changed it."""
         self._sequences.clear()
         self._lengths.clear()
+        self._batch = None
         if self._previous_cache_limit is not None:
             self._mx.set_cache_limit(self._previous_cache_limit)
             self._previous_cache_limit = None
+
+
+_MLX_DTYPES = {"<f4": lambda mx: mx.float32, "<f2": lambda mx: mx.float16, "<u2": lambda mx: mx.bfloat16,
+               "<u4": lambda mx: mx.uint32}
+
+
+def _fixed_shape(shape, grows: bool) -> tuple[int, ...]:
+    """A stored array's shape with its cell axis (2) blanked out where the cache grows there."""
+    return (*shape[:2], -1, *shape[3:]) if grows else tuple(shape)
+
+
+def _stored_dtype(array) -> str:
+    """The pool dtype an MLX array is stored as (bf16 as its 16-bit pattern)."""
+    return {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "uint32": "<u4"}[str(array.dtype).split(".")[-1]]
+
+
+def _model_dtype(mx, model):
+    for _, array in _leaves(model.parameters()):
+        if array.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return array.dtype
+    return mx.float32
 
 
 def _leaves(tree, prefix=""):
@@ -324,9 +467,3 @@ def _leaves(tree, prefix=""):
             yield from _leaves(value, f"{prefix}{index}.")
     else:
         yield prefix, tree
-
-
-def _live_nbytes(cache) -> int:
-    """Bytes of a KV cache's live cells (its offset of every buffer's token axis)."""
-    keys, values = cache.keys, cache.values
-    return (keys.nbytes + values.nbytes) * cache.offset // keys.shape[2]

@@ -4,7 +4,7 @@
 groups of 32) and its metadata. The tensors are renamed to the Hugging Face names mlx-lm's llama
 expects, the config comes from the metadata with `rope_traditional: true` (GGUF stores llama's
 Q and K for interleaved RoPE), and the tokenizer is rebuilt from the GGUF vocabulary and merges.
-Quantized weights are dequantized to float32 when asked: MLX's quantized matmul does not use
+Quantized weights are dequantized to float32 when the `dequantize` option says so: MLX's quantized matmul does not use
 BLAS and is slow on a CPU (FACTS.md).
 """
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.errors import ModelLoadError
+from engines.mlx import settings
+from kvpool import host_memory_available
 
 # GGUF tensor name (per layer, after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 LAYER_NAMES = {
@@ -117,8 +119,24 @@ def tokenizer_from(meta: dict):
                                    chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
 
 
-def load(path: Path, dequantize: bool):
-    """(model, config, HF tokenizer) from a llama GGUF file."""
+def float32_bytes(tensors: dict) -> int:
+    """Bytes the model's weights take once every quantized tensor is float32."""
+    total = 0
+    for name, array in tensors.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and f"{base}.scales" in tensors:
+            bits = array.shape[-1] * 32 // (tensors[f"{base}.scales"].shape[-1] * GROUP)
+            total += array.size * 32 // bits * 4
+        else:
+            total += array.size * 4
+    return total
+
+
+def load(path: Path, dequantize: str):
+    """(model, config, HF tokenizer) from a llama GGUF file; `dequantize` is the option's value
+    ("auto", "on" or "off", see settings.dequantize_decision)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import llama
@@ -128,7 +146,9 @@ def load(path: Path, dequantize: bool):
     except Exception as exc:  # MLX raises RuntimeError or ValueError for unreadable files
         raise ModelLoadError(f"MLX could not read {path} as GGUF: {exc}") from None
     config = config_from(meta, tensors)
-    weights, bits = weights_from(mx, tensors, dequantize)
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    as_float32 = settings.dequantize_decision(dequantize, on_cpu, float32_bytes(tensors), host_memory_available())
+    weights, bits = weights_from(mx, tensors, as_float32)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     if bits:  # each quantized module at its own width (a Q4_1 file keeps some tensors in Q8_0)
         nn.quantize(model, group_size=GROUP,

@@ -1,9 +1,10 @@
-"""MLX's options, declared and validated before a model loads."""
+"""MLX's options, declared and validated before a model loads, and the dequantize decision."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from engines.errors import ModelLoadError, OptionError
 from engines.options import OptionSpec, validate
 
 OPTIONS = (
@@ -12,14 +13,54 @@ OPTIONS = (
     OptionSpec("max_sequences", "int", 16, "sequences alive at once", minimum=1, maximum=4096),
     OptionSpec("cache_limit_mb", "int", 0, "MLX's buffer cache limit in MiB while the engine lives "
                "(0 = leave MLX's own); restored on close", minimum=0),
-    OptionSpec("dequantize", "bool", True, "load a quantized GGUF's weights as float32 (MLX's quantized "
-               "matmul does not use BLAS: on a CPU, float32 with a fast BLAS is several times faster)"),
+    OptionSpec("max_kv_size", "int", 0, "keep at most this many tokens of KV per sequence in a rotating "
+               "cache (the first 4 always kept); 0 = keep every token", minimum=0),
+    OptionSpec("kv_bits", "int", 0, "quantize the KV cache to this many bits (2, 3, 4, 5, 6 or 8); "
+               "0 = the model's dtype", minimum=0, maximum=8),
+    OptionSpec("kv_group_size", "int", 64, "values per quantization group of the KV cache: 32, 64 or 128 "
+               "(the head dimension must be a multiple)", minimum=32, maximum=128),
+    OptionSpec("dequantize", "choice", "auto", "load a quantized GGUF's weights as float32: MLX's quantized "
+               "matmul does not use BLAS, so on a CPU float32 with a fast BLAS is several times faster. "
+               "auto = on where MLX runs on the CPU and float32 weights fit the memory available with room "
+               "to spare", choices=("auto", "on", "off")),
 )
 
 # What changes the meaning of KV bytes (the model's dtype and files are folded in separately).
-IDENTITY_OPTIONS: tuple[str, ...] = ("dequantize",)
+IDENTITY_OPTIONS: tuple[str, ...] = ("max_kv_size", "kv_bits", "kv_group_size")
+KV_BITS = (0, 2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+SPARE_FRACTION = 0.5  # float32 weights may take at most this share of the memory available
+
+
+def _combinations(values: dict[str, Any]) -> None:
+    if values["kv_bits"] not in KV_BITS:
+        raise OptionError(f"mlx option kv_bits={values['kv_bits']}: MLX quantizes to "
+                          f"{', '.join(map(str, KV_BITS[1:]))} bits (0 = off)")
+    if values["kv_bits"] and values["max_kv_size"]:
+        raise OptionError("mlx options kv_bits and max_kv_size cannot be combined: mlx-lm has no quantized "
+                          "rotating cache; drop one of them")
+    if values["kv_group_size"] not in KV_GROUP_SIZES:
+        raise OptionError(f"mlx option kv_group_size={values['kv_group_size']}: MLX quantizes in groups of "
+                          f"{', '.join(map(str, KV_GROUP_SIZES))}")
 
 
 def check(values: dict[str, Any]) -> dict[str, Any]:
     """Every option with its typed value; OptionError names the first bad one."""
-    return validate("mlx", OPTIONS, values)
+    return validate("mlx", OPTIONS, values, _combinations)
+
+
+def dequantize_decision(requested: str, on_cpu: bool, float32_bytes: int, available: int) -> bool:
+    """Whether to load quantized weights as float32: `requested` "on" or "off" is obeyed (on
+    refused with the figures when the weights would not fit with room to spare); "auto" is on
+    exactly where MLX runs on the CPU and they fit."""
+    fits = float32_bytes <= available * SPARE_FRACTION
+    if requested == "off":
+        return False
+    if requested == "on":
+        if not fits:
+            raise ModelLoadError(
+                f"dequantizing to float32 needs {float32_bytes / 2**30:.2f} GiB and only "
+                f"{available / 2**30:.2f} GiB of memory is available (float32 weights may take at most "
+                f"{SPARE_FRACTION:.0%} of it); pass dequantize=off to run the quantized weights, or free memory")
+        return True
+    return on_cpu and fits

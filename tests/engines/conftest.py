@@ -46,5 +46,13 @@ def engine_for(tiny_models):
 
 @pytest.fixture(scope="session")
 def tiny_mlx(tmp_path_factory):
-    """The tiny model's weights and tokenizer as an mlx-lm directory (f32)."""
-    return tinymodels.build_mlx(tmp_path_factory.mktemp("tiny-mlx"))
+    """The tiny model's weights and tokenizer as an mlx-lm directory (f32), taking 16,384
+    positions (the same weights as the GGUF files; only the declared context is longer)."""
+    return tinymodels.build_mlx(tmp_path_factory.mktemp("tiny-mlx"), tinymodels.TinyConfig(context=16384))
+
+
+@pytest.fixture(scope="session")
+def wide_mlx(tmp_path_factory):
+    """An mlx-lm directory whose heads are 64 wide, so a quantized KV cache's groups fit."""
+    config = tinymodels.TinyConfig(hidden=128, heads=2, kv_heads=1, intermediate=256)
+    return tinymodels.build_mlx(tmp_path_factory.mktemp("wide-mlx"), config)

@@ -5,6 +5,7 @@ import pytest
 
 from engines.base import StepRequest
 from engines.errors import EngineError, IdentityMismatch, ModelLoadError, OptionError, StateError
+from engines.mlx import settings
 from engines.mlx.engine import MlxEngine
 from kvpool import DataCorrupt, KVArray, pricing
 from tests import tinymodels
@@ -95,15 +96,25 @@ def test_price_comes_from_live_cells_not_the_grown_buffer(tmp_path, pool):
     engine.close()
 
 
+def buffer_address(array) -> int:
+    return np.asarray(array).__array_interface__["data"][0]
+
+
 def test_fork_shares_arrays_then_diverges(mlx_engine):
+    """The child holds the parent's buffers (new array objects, same memory); each side's later
+    writes stay its own, in whichever order they come."""
     seq, tokens, logits = prefill(mlx_engine)
     child = mlx_engine.fork(seq)
-    assert mlx_engine._sequences[child][0].keys is mlx_engine._sequences[seq][0].keys  # nothing copied
-    mlx_engine.step([StepRequest(child, mlx_engine.tokenize(" jumps over the lazy dog"))])
-    parent_next = mlx_engine.step([StepRequest(seq, [int(np.argmax(logits))])])[0][0]
-    fresh, _, _ = prefill(mlx_engine)
-    fresh_next = mlx_engine.step([StepRequest(fresh, [int(np.argmax(logits))])])[0][0]
-    np.testing.assert_allclose(parent_next, fresh_next, rtol=0, atol=1e-5)
+    parent_keys, child_keys = mlx_engine._sequences[seq][0].keys, mlx_engine._sequences[child][0].keys
+    assert child_keys is not parent_keys and buffer_address(child_keys) == buffer_address(parent_keys)
+    mlx_engine.step([StepRequest(child, [11, 12, 13])])
+    parent_next = mlx_engine.step([StepRequest(seq, [21])])[0][0]
+    child_next = mlx_engine.step([StepRequest(child, [14])])[0][0]
+    fresh_parent, fresh_child = mlx_engine.new_sequence(), mlx_engine.new_sequence()
+    np.testing.assert_allclose(parent_next, mlx_engine.step([StepRequest(fresh_parent, tokens + [21])])[0][0],
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(child_next, mlx_engine.step([StepRequest(fresh_child, tokens + [11, 12, 13, 14])])[0][0],
+                               rtol=0, atol=1e-5)
 
 
 def test_truncate_then_continue_equals_a_fresh_prefill(mlx_engine):
@@ -139,16 +150,35 @@ def test_corrupt_or_foreign_pool_data_leaves_the_sequence_empty(mlx_engine, pool
         mlx_engine.import_(target, view)
     assert mlx_engine.length(target) == 0
     wrong = pool.put(mlx_engine.describe().identity, [1, 2], [KVArray("0.k", np.zeros((1, 2, 2, 16), np.float32), 2)])
-    with pool.get(wrong.id) as view, pytest.raises(StateError, match="layers of K and V"):
+    with pool.get(wrong.id) as view, pytest.raises(StateError, match="does not hold this model's caches"):
         mlx_engine.import_(target, view)
     assert mlx_engine.length(target) == 0
+    # the right arrays, but cache values this adapter did not write: refused before any copy
+    arrays = [KVArray(f"{i}.{p}", np.zeros((1, 2, 2, 16), np.float32), 2) for i in range(2) for p in "kv"]
+    for values in ({"0.class": "KVCache", "1.class": "KVCache"},
+                   {"0.class": "KVCache", "1.class": "KVCache", "0.offset": "two", "1.offset": 2, "0.empty": 0,
+                    "1.empty": 0}):
+        forged = pool.put(mlx_engine.describe().identity, [1, 2], arrays, engine_values=values)
+        with pool.get(forged.id) as view, pytest.raises(StateError, match="cache value 0.(offset|empty)"):
+            mlx_engine.import_(target, view)
+        assert mlx_engine.length(target) == 0
 
 
 def test_options_and_missing_models(tiny_mlx, tmp_path):
     with pytest.raises(OptionError, match="prefill_chunk"):
         MlxEngine(tiny_mlx, prefill_chunk=0)
-    with pytest.raises(OptionError, match="unknown option"):
-        MlxEngine(tiny_mlx, kv_bits=4)
+    with pytest.raises(OptionError, match="unknown option 'kv_quant'"):
+        MlxEngine(tiny_mlx, kv_quant=4)
+    with pytest.raises(OptionError, match="kv_bits=7: MLX quantizes to 2, 3, 4, 5, 6, 8 bits"):
+        MlxEngine(tiny_mlx, kv_bits=7)
+    with pytest.raises(OptionError, match="kv_group_size=48: MLX quantizes in groups of 32, 64, 128"):
+        MlxEngine(tiny_mlx, kv_bits=4, kv_group_size=48)
+    with pytest.raises(OptionError, match="kv_bits and max_kv_size cannot be combined"):
+        MlxEngine(tiny_mlx, kv_bits=4, max_kv_size=64)
+    with pytest.raises(OptionError, match="kv_group_size=64 .*pick a group size dividing the head dimension"):
+        MlxEngine(tiny_mlx, kv_bits=4)  # this model's heads are 16 wide
+    with pytest.raises(OptionError, match="dequantize='maybe': expected one of auto, on, off"):
+        MlxEngine(tiny_mlx, dequantize="maybe")
     with pytest.raises(ModelLoadError, match="no model at .*mlx-lm model directory"):
         MlxEngine(tmp_path / "nothing-here")
 
@@ -210,20 +240,40 @@ def test_a_gguf_file_loads_on_mlx_with_the_same_tokens_and_logits(tiny_models, t
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("dequantize", [True, False])
+@pytest.mark.parametrize("dequantize", ["on", "off"])
 def test_a_quantized_gguf_loads_dequantized_or_quantized(tiny_models, dequantize):
     engine = MlxEngine(tiny_models["q8_0"].gguf, dequantize=dequantize)
+    assert ("quantization" in engine._config) == (dequantize == "off")
     reference = MlxEngine(tiny_models["f32"].gguf)
     quantized = engine.step([StepRequest(engine.new_sequence(), engine.tokenize(PROMPT))])[0][0]
     exact = reference.step([StepRequest(reference.new_sequence(), reference.tokenize(PROMPT))])[0][0]
     assert np.isfinite(quantized).all() and np.abs(quantized - exact).max() < 0.1
-    assert (engine.describe().identity != MlxEngine(tiny_models["q8_0"].gguf,
-                                                    dequantize=not dequantize).describe().identity)
+    other = "off" if dequantize == "on" else "on"
+    assert engine.describe().identity != MlxEngine(tiny_models["q8_0"].gguf, dequantize=other).describe().identity
+
+
+def test_dequantizing_is_automatic_on_a_cpu_where_it_fits_and_refused_where_it_cannot(tiny_models, monkeypatch):
+    assert "quantization" not in MlxEngine(tiny_models["q8_0"].gguf)._config  # auto, on this CPU: float32
+    from engines.mlx import gguf
+
+    monkeypatch.setattr(gguf, "host_memory_available", lambda: 64 << 10)  # a machine with 64 KiB free
+    assert "quantization" in MlxEngine(tiny_models["q8_0"].gguf)._config  # auto keeps the weights quantized
+    with pytest.raises(ModelLoadError, match=r"dequantizing to float32 needs 0\.00 GiB .*pass dequantize=off"):
+        MlxEngine(tiny_models["q8_0"].gguf, dequantize="on")
+
+
+def test_the_dequantize_decision():
+    decide = settings.dequantize_decision
+    assert decide("auto", True, 100, 1000) and not decide("auto", False, 100, 1000)
+    assert not decide("auto", True, 600, 1000) and not decide("off", True, 1, 1000)
+    assert decide("on", False, 500, 1000)
+    with pytest.raises(ModelLoadError, match="needs .* GiB and only .* GiB of memory is available"):
+        decide("on", True, 501, 1000)
 
 
 def test_a_gguf_of_mixed_widths_runs_quantized(tmp_path, tiny_models):
     mixed = tinymodels.build(tmp_path, "mixed")
-    engine = MlxEngine(mixed.gguf, dequantize=False)
+    engine = MlxEngine(mixed.gguf, dequantize="off")
     assert engine._config["quantization"]["bits"] == [4, 8]
     reference = MlxEngine(tiny_models["f32"].gguf)
     a = engine.step([StepRequest(engine.new_sequence(), engine.tokenize(PROMPT))])[0][0]

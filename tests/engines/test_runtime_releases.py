@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITES = {
     "llamacpp": ["tests/engines/test_llamacpp.py", "tests/engines/test_llamacpp_support.py",
                  "tests/engines/test_llamacpp_real.py"],
-    "mlx": ["tests/engines/test_mlx.py", "tests/engines/test_mlx_real.py"],
+    "mlx": ["tests/engines/test_mlx.py", "tests/engines/test_mlx_caches.py", "tests/engines/test_mlx_real.py"],
 }
 ENVIRONMENTS = {"llamacpp": ".venv-llamacpp-{}", "mlx": ".venv-mlx-lm-{}"}
 OLDER = [(runtime, version) for runtime in SUITES for version in registry.get(runtime).tested_versions[1:]]
