@@ -127,6 +127,11 @@ def bench_state(run: Run, model: Path, tokens: int, repeat: int) -> None:
 
         run.measure(f"fork + first step {tokens}", fork_and_step, repeat=repeat, setup=free_children)
         free_children()
+        copied = engine.stats().bytes_copied
+        fork_and_step()
+        run.note(f"fork + first step: bytes copied / live KV bytes at {tokens}",
+                 round((engine.stats().bytes_copied - copied) / nbytes, 3))
+        free_children()
         lru = LRUPromptCache(max_size=4)
         lru.insert_cache("smollm2", prompt, caches)  # keyed by a model name
 

@@ -23,6 +23,7 @@ class Runtime(msgspec.Struct, frozen=True):
     distribution: str  # the PyPI distribution of its library
     tested_versions: tuple[str, ...]
     model_kind: str  # what it loads
+    modules: tuple[str, ...] = ()  # what importing its library means
 
 
 class RuntimeStatus(msgspec.Struct, frozen=True):
@@ -37,9 +38,9 @@ class RuntimeStatus(msgspec.Struct, frozen=True):
 RUNTIMES: dict[str, Runtime] = {
     # Newest first; the first is what scripts/setup installs, the others CI also tests.
     "llamacpp": Runtime("llamacpp", "engines.llamacpp.engine:LlamaCppEngine", "llama-cpp-python",
-                        ("0.3.36", "0.3.16"), "a GGUF file"),
+                        ("0.3.36", "0.3.16"), "a GGUF file", ("llama_cpp",)),
     "mlx": Runtime("mlx", "engines.mlx.engine:MlxEngine", "mlx-lm", ("0.32.2", "0.31.3"),
-                   "an mlx-lm model directory (or a llama GGUF file, asked for by name)"),
+                   "an mlx-lm model directory (or a llama GGUF file, asked for by name)", ("mlx.core", "mlx_lm")),
 }
 
 

@@ -1,21 +1,32 @@
-"""The `superfluid` command. For now: `superfluid pool ls | gc | rm` and `superfluid demo`.
+"""The `superfluid` command: `superfluid runtimes`, `superfluid pool ls | gc | rm` and
+`superfluid demo`. (`superfluid serve` arrives with the server issue.)
 
-`superfluid serve` and the runtime commands arrive with the Host and server issues.
+MLX on a Linux CPU needs OpenBLAS loaded before MLX is (engines/mlx/blas.py). The adapter does
+that itself when it is first; when something imported MLX before this command ran (a
+sitecustomize, an embedding script), the command re-executes itself once with LD_PRELOAD set.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import sys
 
+from engines import registry
+from engines.mlx import blas
 from kvpool import __main__ as pool_cli
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `superfluid` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _reexec_with_openblas(argv)
     parser = argparse.ArgumentParser(prog="superfluid", description="local LLMs in-process, around a shared KV pool")
     commands = parser.add_subparsers(dest="command", required=True)
+    runtimes = commands.add_parser("runtimes", help="the runtimes superfluid hosts and whether they work here")
+    runtimes.add_argument("--json", action="store_true", help="one JSON document instead of text")
     commands.add_parser("pool", help="this user's pool segments: ls | gc | rm NAME", add_help=False)
     commands.add_parser("demo", help="a tour of the shared-memory KV pool")
     args, rest = parser.parse_known_args(argv)
@@ -23,7 +34,47 @@ def main(argv: list[str] | None = None) -> int:
         return pool_cli.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "runtimes":
+        return _runtimes(args.json)
     return pool_cli.main(["demo"])
+
+
+def _reexec_with_openblas(argv: list[str]) -> None:
+    environment = blas.preload_environment()
+    if environment is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "superfluid", *argv], environment)
+
+
+def _runtimes(as_json: bool) -> int:
+    """Each runtime: its library's version here, the versions tested, whether it imports, its options."""
+    report = []
+    for runtime_id in registry.RUNTIMES:
+        status = registry.status(runtime_id)
+        entry = {"id": runtime_id, "installed_version": status.installed_version,
+                 "tested_versions": list(status.tested_versions), "tested": status.tested}
+        if runtime_id == "mlx":
+            found = blas.preload()  # before MLX is imported below
+            entry["blas"] = {"path": found.path, "reason": found.reason}
+        adapter = registry.adapter(runtime_id)
+        entry["options"] = [{"name": o.name, "shape": o.shape, "default": o.default} for o in adapter.options()]
+        try:
+            for module in registry.get(runtime_id).modules:
+                importlib.import_module(module)
+            entry["imports"], entry["problem"] = True, None
+        except Exception as exc:  # a library missing or broken (ImportError, OSError): report it, go on
+            entry["imports"], entry["problem"] = False, f"{type(exc).__name__}: {exc}"
+        report.append(entry)
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for entry in report:
+        state = "usable" if entry["imports"] else f"not usable: {entry['problem']}"
+        print(f"{entry['id']}: {entry['installed_version'] or 'not installed'} (tested: "
+              f"{', '.join(entry['tested_versions'])}) — {state}")
+        if "blas" in entry:
+            print(f"  BLAS: {entry['blas']['path'] or 'the wheel reference BLAS'} ({entry['blas']['reason']})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -56,3 +56,24 @@ def preload() -> BlasStatus:
         return BlasStatus(path, "loaded before MLX")
     return BlasStatus(None, "no OpenBLAS found: install Debian's libopenblas0-pthread (scripts/setup does) "
                             "for matmuls dozens of times faster")
+
+
+REEXEC_MARK = "SUPERFLUID_BLAS_REEXEC"  # set in a re-executed process, so it never loops
+
+
+def preload_environment(environ: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The environment a command should re-execute itself with so that OpenBLAS is preloaded,
+    or None when no re-execution would help: MLX is not loaded yet (preload() still works), the
+    preload is already there, this process is already the re-executed one, or there is no
+    OpenBLAS to load."""
+    environ = dict(os.environ if environ is None else environ)
+    if not sys.platform.startswith("linux") or "mlx.core" not in sys.modules or REEXEC_MARK in environ:
+        return None
+    if "openblas" in environ.get("LD_PRELOAD", ""):
+        return None
+    found = _candidates()
+    if not found:
+        return None
+    environ["LD_PRELOAD"] = ":".join(filter(None, [found[0], environ.get("LD_PRELOAD", "")]))
+    environ[REEXEC_MARK] = "1"
+    return environ

@@ -1,0 +1,7 @@
+"""`python -m superfluid`: the same as the `superfluid` command."""
+
+import sys
+
+from superfluid.cli import main
+
+sys.exit(main())
