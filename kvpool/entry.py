@@ -162,6 +162,11 @@ class EntryView:
         self.verified = True
         return copied
 
+    def count_copy_out(self, nbytes: int) -> None:
+        """Count `nbytes` an engine copied out of this entry's memory itself (llama.cpp reads its
+        blob straight from the view), so the pool's bytes_copied covers every import."""
+        self._pool._count_read(nbytes)
+
     def close(self) -> None:
         """Unpin the entry (idempotent)."""
         if not self._closed:

@@ -333,6 +333,7 @@ class LlamaCppEngine(Adapter):
             self._memory.seq_rm(self._mem, seq, -1, -1)
             raise NoRoom(f"llama.cpp needs {cells} contiguous free cells to restore pool entry {view.info.id} and "
                          "has not got them; free or truncate sequences, or raise n_ctx")
+        view.count_copy_out(state.nbytes)
         self._lengths[seq] = cells
         return cells
 

@@ -1,0 +1,79 @@
+"""Chat messages to text with the model's own chat template, one turn at a time.
+
+A session's tokens only ever grow, so each turn is rendered as the difference between the whole
+conversation rendered with it and without it:
+
+    render([system, user])                       = "<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n"
+    render([system, user], generation prompt)    = the same + "<|im_start|>assistant\\n"
+    append_user(text)  -> the text the new user turn adds
+    generate()         -> the generation prompt, then what the model writes
+    after generating   -> what the template puts after the assistant's words ("<|im_end|>\\n"),
+                          less the end-of-turn token the model already wrote
+
+A template that rewrites earlier turns when a later one arrives cannot be used this way, and is
+refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jinja2
+import jinja2.sandbox
+
+from superfluid.errors import ChatError
+
+# Used when a model ships no template (the tiny test models ship this one too).
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+ROLES = ("system", "user", "assistant")
+
+
+def _raise(message: str):
+    raise ChatError(f"the chat template refused the conversation: {message}")
+
+
+class ChatTemplate:
+    """A model's chat template, rendered in a sandbox (templates come with model files)."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        """`source`: the Jinja template (None: ChatML); the special tokens' text for templates that use them."""
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise
+        try:
+            self._template = environment.from_string(source or CHATML)
+        except jinja2.TemplateError as exc:
+            raise ChatError(f"the model's chat template does not parse: {exc}") from None
+        self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: Sequence[dict], generation_prompt: bool = False) -> str:
+        """The conversation as text, ending with the assistant's opening when `generation_prompt`."""
+        for message in messages:
+            if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+                raise ChatError(f"a chat message needs a role ({', '.join(ROLES)}) and text content; got {message!r}")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=generation_prompt,
+                                         **self._tokens)
+        except jinja2.TemplateError as exc:
+            raise ChatError(f"the chat template failed to render: {exc}") from None
+
+    def turn(self, messages: Sequence[dict], message: dict) -> str:
+        """The text `message` adds after `messages`."""
+        return self._difference(self.render(messages), self.render([*messages, message]))
+
+    def opening(self, messages: Sequence[dict]) -> str:
+        """The text that opens the assistant's turn after `messages`."""
+        return self._difference(self.render(messages), self.render(messages, generation_prompt=True))
+
+    def closing(self, messages: Sequence[dict], reply: str) -> str:
+        """The text the template puts after the assistant's `reply` (its end-of-turn marks)."""
+        opened = self.render(messages, generation_prompt=True) + reply
+        return self._difference(opened, self.render([*messages, {"role": "assistant", "content": reply}]))
+
+    @staticmethod
+    def _difference(before: str, after: str) -> str:
+        if not after.startswith(before):
+            raise ChatError("this chat template renders earlier turns differently once a later one is added, so a "
+                            "conversation cannot grow token by token; append the turns as tokens instead "
+                            "(Session.append_tokens)")
+        return after[len(before):]

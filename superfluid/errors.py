@@ -1,0 +1,36 @@
+"""Errors the host raises. Each message says what went wrong and what to change."""
+
+
+class SuperfluidError(Exception):
+    """Base class of the host's errors."""
+
+
+class ChatError(SuperfluidError, ValueError):
+    """Messages the model's chat template cannot render, or a template that cannot grow a turn at a time."""
+
+
+class SessionNotFound(SuperfluidError, KeyError):
+    """No session of that id (never created, or deleted)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class SessionBusy(SuperfluidError):
+    """The session is already generating; one generation at a time per session."""
+
+
+class ContextFull(SuperfluidError):
+    """A session reached the engine's context length."""
+
+
+class LogCorrupt(SuperfluidError):
+    """The session log is damaged in a way replay must not guess about."""
+
+
+class HostClosed(SuperfluidError):
+    """The host was closed (or its scheduler stopped after an error)."""
+
+
+class GenerationTimeout(SuperfluidError, TimeoutError):
+    """A generation ran past its timeout; what it produced so far was kept."""

@@ -1,0 +1,289 @@
+"""The session log: a write-ahead log of every committed change to every session.
+
+Each record is a msgspec struct, msgpack-encoded and framed with its length and an xxh3-64
+checksum. Records are written (one `write`) before the change they describe is reported to
+anyone; syncing to disk is grouped by policy:
+
+    tick     fsync once per scheduler tick in which something was written (the default)
+    commit   fsync after every record
+    never    leave it to the kernel (a process crash keeps what was written; a power cut may not)
+
+File layout:  b"SFLOG\\0" + version (u16 LE), then frames of  length (u32 LE) | xxh3-64 (u64 LE) | payload
+
+On open the log replays into one state per session. A torn last frame (a crash mid-write) is cut
+off; a frame that fails its checksum with more frames after it is damage in the middle, and
+replay refuses to guess. Compaction rewrites the log as one snapshot per live session (deleted
+sessions and superseded records go) into a new file renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import msgspec
+import xxhash
+
+from superfluid.errors import LogCorrupt
+from superfluid.sampling import Sampling
+
+MAGIC = b"SFLOG\0"
+VERSION = 1
+FILE_HEADER = MAGIC + struct.pack("<H", VERSION)
+FRAME = struct.Struct("<IQ")
+MAX_RECORD = 64 << 20
+SYNC_POLICIES = ("tick", "commit", "never")
+FILE_NAME = "sessions.log"
+
+
+class Opened(msgspec.Struct, tag="open"):
+    """A session was created (a fork names its parent)."""
+
+    session: str
+    created: float
+    sampling: Sampling
+    priority: str
+    parent: str | None = None
+
+
+class Tokens(msgspec.Struct, tag="tokens"):
+    """Tokens committed to a session, starting at position `start`."""
+
+    session: str
+    start: int
+    tokens: list[int]
+
+
+class Turn(msgspec.Struct, tag="turn"):
+    """A chat message added to a session's conversation, whose tokens end at position `end`
+    (they come in Tokens records)."""
+
+    session: str
+    role: str
+    content: str
+    end: int
+
+
+class Trimmed(msgspec.Struct, tag="trim"):
+    """A session cut back to its first `length` tokens (and the messages that end within them)."""
+
+    session: str
+    length: int
+
+
+class Parked(msgspec.Struct, tag="park"):
+    """The KV of a session's first `tokens` tokens is in pool entry `entry` (tagged with the session id)."""
+
+    session: str
+    entry: int
+    tokens: int
+
+
+class Deleted(msgspec.Struct, tag="delete"):
+    """A session was deleted."""
+
+    session: str
+
+
+Record = Union[Opened, Tokens, Turn, Trimmed, Parked, Deleted]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+@dataclass
+class SessionState:
+    """What the log says about one session."""
+
+    id: str
+    created: float
+    sampling: Sampling
+    priority: str
+    parent: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    message_ends: list[int] = field(default_factory=list)  # token position where each message ends
+    parked: tuple[int, int] | None = None  # (pool entry, tokens it covers)
+
+    def snapshot(self) -> list[Record]:
+        """The records that recreate this state."""
+        records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent)]
+        records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
+        if self.tokens:
+            records.append(Tokens(self.id, 0, list(self.tokens)))
+        if self.parked is not None:
+            records.append(Parked(self.id, *self.parked))
+        return records
+
+
+def apply(states: dict[str, SessionState], record: Record, where: str = "") -> None:
+    """Apply one record to the replayed states (LogCorrupt when it contradicts them)."""
+    if isinstance(record, Opened):
+        states[record.session] = SessionState(record.session, record.created, record.sampling, record.priority,
+                                              record.parent)
+        return
+    state = states.get(record.session)
+    if state is None:
+        if isinstance(record, Deleted):
+            return
+        raise LogCorrupt(f"session log{where}: a {type(record).__name__} record for session {record.session!r}, which "
+                         "was never opened; the log is not one superfluid wrote in order. Move it aside to start empty")
+    if isinstance(record, Tokens):
+        if record.start != len(state.tokens):
+            raise LogCorrupt(f"session log{where}: session {record.session!r} has {len(state.tokens)} tokens but a "
+                             f"record continues it at {record.start}; move the log aside to start empty")
+        state.tokens.extend(record.tokens)
+    elif isinstance(record, Turn):
+        state.messages.append({"role": record.role, "content": record.content})
+        state.message_ends.append(record.end)
+    elif isinstance(record, Trimmed):
+        del state.tokens[record.length:]
+        kept = sum(1 for end in state.message_ends if end <= record.length)
+        del state.messages[kept:], state.message_ends[kept:]
+        if state.parked is not None and state.parked[1] > record.length:
+            state.parked = None
+    elif isinstance(record, Parked):
+        state.parked = (record.entry, record.tokens)
+    elif isinstance(record, Deleted):
+        del states[record.session]
+
+
+class SessionLog:
+    """An open session log: replayed states, appends and syncs (thread-safe)."""
+
+    def __init__(self, directory: str | Path, sync: str = "tick") -> None:
+        """Open (or create) the log in `directory` and replay it."""
+        if sync not in SYNC_POLICIES:
+            raise ValueError(f"log sync policy {sync!r}: use one of {', '.join(SYNC_POLICIES)}")
+        self.sync_policy = sync
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / FILE_NAME
+        self._lock = threading.Lock()
+        self._dirty = False
+        self.states: dict[str, SessionState] = {}
+        self.truncated_bytes = 0
+        self.records_replayed = 0
+        superseded = self._replay()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._written_since_compaction = 0
+        if superseded:
+            self.compact()
+
+    def _replay(self) -> bool:
+        """Read every frame; True when the log holds records a compaction would drop."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            self.path.write_bytes(FILE_HEADER)
+            return False
+        data = self.path.read_bytes()
+        if not data.startswith(MAGIC) or len(data) < len(FILE_HEADER):
+            raise LogCorrupt(f"{self.path} is not a superfluid session log (no {MAGIC!r} header); point log_dir at "
+                             "another directory or move the file aside")
+        (version,) = struct.unpack_from("<H", data, len(MAGIC))
+        if version != VERSION:
+            raise LogCorrupt(f"{self.path} is a session log of format {version}; this superfluid reads {VERSION}")
+        offset, count, deleted = len(FILE_HEADER), 0, False
+        while offset < len(data):
+            if len(data) - offset < FRAME.size:
+                break  # a torn frame header
+            length, digest = FRAME.unpack_from(data, offset)
+            end = offset + FRAME.size + length
+            if length > MAX_RECORD or end > len(data):
+                if length > MAX_RECORD and end < len(data):
+                    self._corrupt(offset)
+                break  # torn: the frame runs past the end
+            payload = data[offset + FRAME.size:end]
+            if xxhash.xxh3_64_intdigest(payload) != digest:
+                if end < len(data):
+                    self._corrupt(offset)
+                break  # the last frame, torn
+            try:
+                record = _decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._corrupt(offset)
+            deleted = deleted or isinstance(record, (Deleted, Trimmed))
+            apply(self.states, record, f" {self.path} at byte {offset}")
+            count += 1
+            offset = end
+        if offset < len(data):
+            self.truncated_bytes = len(data) - offset
+            with open(self.path, "r+b") as handle:
+                handle.truncate(offset)
+                os.fsync(handle.fileno())
+        self.records_replayed = count
+        return deleted
+
+    def _corrupt(self, offset: int):
+        raise LogCorrupt(f"session log {self.path} is damaged at byte {offset}, with records after it: this is not a "
+                         "torn last write, and replaying around it could resume sessions wrongly. Move the file aside "
+                         "(its sessions are lost) or restore it from a backup, then start again")
+
+    def append(self, *records: Record) -> None:
+        """Write `records` (one write call) and apply them to the states; fsync now if the policy is "commit"."""
+        frames = []
+        for record in records:
+            payload = _encoder.encode(record)
+            frames.append(FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
+        blob = b"".join(frames)
+        with self._lock:
+            for record in records:
+                apply(self.states, record)
+            os.write(self._fd, blob)
+            self._written_since_compaction += len(blob)
+            self._dirty = True
+            if self.sync_policy == "commit":
+                os.fsync(self._fd)
+                self._dirty = False
+
+    def sync(self) -> bool:
+        """fsync if something was written since the last sync and the policy is "tick"; True if it synced."""
+        with self._lock:
+            if not self._dirty or self.sync_policy == "never":
+                return False
+            os.fsync(self._fd)
+            self._dirty = False
+            return True
+
+    def should_compact(self) -> bool:
+        """True when the records written since the last compaction outweigh the live snapshot."""
+        return self._written_since_compaction > max(1 << 20, 2 * self._snapshot_estimate())
+
+    def _snapshot_estimate(self) -> int:
+        return sum(16 + 5 * len(s.tokens) + sum(len(m["content"]) for m in s.messages) for s in self.states.values())
+
+    def compact(self) -> None:
+        """Rewrite the log as one snapshot per live session, atomically (a new file renamed over it)."""
+        with self._lock:
+            frames = [FILE_HEADER]
+            for state in self.states.values():
+                for record in state.snapshot():
+                    payload = _encoder.encode(record)
+                    frames.append(FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
+            temporary = self.path.with_suffix(".compacting")
+            with open(temporary, "wb") as handle:
+                handle.write(b"".join(frames))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+            directory = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+            if hasattr(self, "_fd"):
+                os.close(self._fd)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self._written_since_compaction = 0
+            self._dirty = False
+
+    def close(self) -> None:
+        """Sync (whatever the policy: a clean stop loses nothing) and close."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1

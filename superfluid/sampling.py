@@ -1,0 +1,89 @@
+"""Choosing the next token from logits, with a counter-based random stream.
+
+Every draw is a pure function of (seed, position): the uniform number for the token at stream
+position p comes from Philox keyed by the seed with its counter set to p. So a fork, a cut and a
+resume after a crash or a preemption draw exactly what the uninterrupted stream would have, and
+batching several sessions together changes nothing about any one of them.
+
+The filters run in llama.cpp's usual order: repetition penalty, top-k, top-p, min-p, then
+temperature; temperature 0 is greedy (the first highest logit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """A sampling parameter out of its range."""
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a session picks tokens. Defaults: greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    repetition_window: int = 64  # how many recent tokens the penalty looks at
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", self.top_k >= 0, "an integer >= 0 (0 turns it off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a finite number > 0 (1 turns it off)"),
+            ("repetition_window", self.repetition_window >= 0, "an integer >= 0"),
+            ("seed", 0 <= self.seed < 1 << 64, "an integer in [0, 2**64)"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise SamplingError(f"sampling {name}={getattr(self, name)!r}: must be {expected}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when no randomness is involved."""
+        return self.temperature == 0
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) for stream position `position` under `seed`."""
+    generator = np.random.Generator(np.random.Philox(key=seed, counter=position))
+    return float(generator.random())
+
+
+def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequence[int] = ()) -> int:
+    """The token for stream position `position` given its `logits` (1-D) and the `recent` tokens
+    before it (for the repetition penalty)."""
+    scores = np.asarray(logits, dtype=np.float64).copy()
+    if sampling.repetition_penalty != 1.0 and recent and sampling.repetition_window:
+        seen = np.unique(np.asarray(recent[-sampling.repetition_window:], dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < scores.size)]
+        values = scores[seen]
+        scores[seen] = np.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
+    if sampling.greedy:
+        return int(np.argmax(scores))
+    order = np.argsort(-scores, kind="stable")  # ties keep the lower token id first
+    if sampling.top_k:
+        order = order[:sampling.top_k]
+    kept = scores[order]
+    probabilities = np.exp(kept - kept[0])
+    probabilities /= probabilities.sum()
+    if sampling.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probabilities), sampling.top_p) + 1)
+        order, kept = order[:cut], kept[:cut]
+    if sampling.min_p > 0.0:
+        keep = np.exp(kept - kept[0]) >= sampling.min_p
+        order, kept = order[keep], kept[keep]
+    weights = np.exp((kept - kept[0]) / sampling.temperature)
+    cumulative = np.cumsum(weights)
+    draw = uniform(sampling.seed, position) * cumulative[-1]
+    return int(order[min(int(np.searchsorted(cumulative, draw, side="right")), len(order) - 1)])

@@ -1,0 +1,172 @@
+"""What an application holds: a Session handle, and the Generation it streams pieces from.
+
+Both are thin: every call is handed to the host's scheduler thread (the only thread that touches
+the engine) and waits for its answer, so they are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from superfluid.errors import HostClosed
+
+if TYPE_CHECKING:
+    from superfluid.host import Host
+
+PRIORITIES = ("interactive", "default", "background")  # most urgent first
+
+
+class Piece(NamedTuple):
+    """One step of a generation: the text it makes showable (may be empty: a character or a
+    possible stop string still incomplete) and the token sampled."""
+
+    text: str
+    token: int
+
+
+class SessionInfo(msgspec.Struct, frozen=True):
+    """A session as `Host.sessions()` lists it."""
+
+    id: str
+    tokens: int
+    messages: int
+    priority: str
+    created: float
+    parent: str | None
+    parked_tokens: int  # tokens whose KV is parked in the pool (0: none)
+    generating: bool
+
+
+class _Finished(NamedTuple):
+    reason: str
+    error: BaseException | None
+
+
+class Generation:
+    """A running generation: iterate it for pieces (it ends when the generation does).
+
+    `finish_reason` is "stop" (an end-of-turn token or a stop string), "length" (max_tokens),
+    "cancelled", "timeout" or "closed" once it has ended; `text` is everything emitted."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._queue: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.finish_reason: str | None = None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.prompt_tokens = 0  # tokens the model read before its first output token
+        self.cached_tokens = 0  # of those, how many came from cache instead of a prefill
+        self._alive = lambda: True
+
+    # -- the scheduler's side
+    def _put(self, piece: Piece) -> None:
+        self._queue.put(piece)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        self._queue.put(_Finished(reason, error))
+
+    # -- the application's side
+    def cancel(self) -> None:
+        """Stop generating at the next step; the lane is freed at once."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Piece]:
+        return self
+
+    def __next__(self) -> Piece:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._alive():
+                    raise HostClosed("the host's scheduler stopped; its error was raised by the call that saw it") from None
+                continue
+            if isinstance(item, _Finished):
+                self._queue.put(item)  # later next() calls end too
+                self.finish_reason = self.finish_reason or item.reason
+                if item.error is not None:
+                    raise item.error
+                raise StopIteration
+            self.tokens.append(item.token)
+            self.text += item.text
+            return item
+
+    def collect(self) -> str:
+        """Run to the end and return the whole text."""
+        for _ in self:
+            pass
+        return self.text
+
+
+class Session:
+    """A conversation or token stream kept by a Host (see Host.session)."""
+
+    def __init__(self, host: Host, session_id: str) -> None:
+        self._host = host
+        self.id = session_id
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+    def append_user(self, text: str) -> None:
+        """Add a user message, rendered by the model's chat template."""
+        self._host._call("append_message", self.id, "user", text)
+
+    def append_assistant(self, text: str) -> None:
+        """Add an assistant message (a reply the model did not write here)."""
+        self._host._call("append_message", self.id, "assistant", text)
+
+    def append_system(self, text: str) -> None:
+        """Add a system message."""
+        self._host._call("append_message", self.id, "system", text)
+
+    def append_tokens(self, tokens: Sequence[int]) -> None:
+        """Add raw token ids (no template)."""
+        self._host._call("append_tokens", self.id, [int(t) for t in tokens])
+
+    def append_text(self, text: str) -> None:
+        """Add text tokenized as it is (no template)."""
+        self._host._call("append_text", self.id, text)
+
+    def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
+                 **sampling) -> Generation:
+        """Start generating (SessionBusy if this session already is); iterate the result for pieces.
+        `sampling` overrides the session's defaults for this generation only."""
+        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling)
+
+    def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
+                 **sampling) -> str:
+        """generate(), collected into its text."""
+        return self.generate(max_tokens, stop, timeout, **sampling).collect()
+
+    def fork(self) -> Session:
+        """A new session with this one's tokens and messages, sharing its KV (no KV bytes copied)."""
+        return Session(self._host, self._host._call("fork", self.id))
+
+    def trim(self, n_tokens: int) -> None:
+        """Keep the first `n_tokens` tokens (and the chat messages that end within them)."""
+        self._host._call("trim", self.id, n_tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens."""
+        return self._host._call("tokens", self.id)
+
+    @property
+    def messages(self) -> list[dict]:
+        """The chat messages so far."""
+        return self._host._call("messages", self.id)
+
+    def info(self) -> SessionInfo:
+        """The session's summary."""
+        return self._host._call("info", self.id)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of `tokens` (special tokens rendered)."""
+        return self._host._call("detokenize", list(tokens))

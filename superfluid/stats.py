@@ -1,0 +1,43 @@
+"""The host's statistics: what it prefilled, what it took from cache, what it copied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+
+@dataclass
+class Counters:
+    """Counts the scheduler keeps (read by `Host.stats()`)."""
+
+    prefill_tokens: int = 0  # tokens fed through a forward that the model had not generated
+    decode_tokens: int = 0  # generated tokens fed back
+    cached_tokens: int = 0  # tokens a lane started with instead of prefilling (fork, pool, own lane)
+    generations: int = 0
+    exports: int = 0
+    imports: int = 0
+    import_failures: int = 0
+    preemptions: int = 0
+
+
+class HostStats(msgspec.Struct, frozen=True):
+    """A snapshot of the host for tests, benchmarks and the server's /metrics."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    cached_tokens: int
+    generations: int
+    exports: int
+    imports: int
+    import_failures: int
+    preemptions: int
+    bytes_copied: int  # KV bytes copied: pool writes and reads, plus the engine's own copies
+    pool_bytes_copied: int
+    engine_bytes_copied: int
+    evictions: int
+    pool_bytes_used: int
+    pool_entries: int
+    sessions: int
+    lanes: int  # sessions holding an engine sequence
+    generating: int

@@ -1,0 +1,101 @@
+"""The session log: replay, torn tails, damage in the middle, compaction, sync policies."""
+
+import os
+
+import pytest
+
+from superfluid.errors import LogCorrupt
+from superfluid.log import FILE_HEADER, Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
+from superfluid.sampling import Sampling
+
+
+def opened(session="a"):
+    return Opened(session, 1.0, Sampling(seed=3), "default")
+
+
+def write_some(directory, sync="tick"):
+    log = SessionLog(directory, sync)
+    log.append(opened("a"), Turn("a", "user", "hi", 3), Tokens("a", 0, [1, 2, 3]))
+    log.append(Tokens("a", 3, [4]))
+    log.append(Parked("a", 7, 4))
+    log.append(opened("b"), Tokens("b", 0, [9]))
+    log.close()
+    return log.path
+
+
+def test_replay_gives_every_session_back(tmp_path):
+    write_some(tmp_path)
+    log = SessionLog(tmp_path)
+    a = log.states["a"]
+    assert a.tokens == [1, 2, 3, 4] and a.messages == [{"role": "user", "content": "hi"}] and a.parked == (7, 4)
+    assert a.sampling.seed == 3 and log.states["b"].tokens == [9] and log.records_replayed == 7
+    log.close()
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11, 12, 13])
+def test_a_torn_last_record_is_cut_off_and_the_rest_kept(tmp_path, cut):
+    path = write_some(tmp_path)
+    size = path.stat().st_size
+    with open(path, "ab") as handle:  # a record torn at `cut` bytes
+        handle.write(b"\x20\x00\x00\x00" + b"\x11" * 8 + b"\x92" * 32)
+    os.truncate(path, size + cut)
+    log = SessionLog(tmp_path)
+    assert log.truncated_bytes == cut and path.stat().st_size == size
+    assert log.states["a"].tokens == [1, 2, 3, 4]
+    log.append(Tokens("b", 1, [10]))  # and it goes on
+    log.close()
+    assert SessionLog(tmp_path).states["b"].tokens == [9, 10]
+
+
+def test_a_damaged_record_in_the_middle_refuses_to_start(tmp_path):
+    path = write_some(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(FILE_HEADER) + 14] ^= 0xFF  # inside the first record's payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogCorrupt, match=r"damaged at byte 8, with records after it.*Move the file aside"):
+        SessionLog(tmp_path)
+    assert path.read_bytes() == bytes(data)  # nothing was cut
+
+
+def test_a_file_that_is_not_a_log_is_refused(tmp_path):
+    (tmp_path / "sessions.log").write_bytes(b"hello world")
+    with pytest.raises(LogCorrupt, match="not a superfluid session log"):
+        SessionLog(tmp_path)
+
+
+def test_records_that_contradict_the_log_are_refused(tmp_path):
+    log = SessionLog(tmp_path)
+    log.append(opened("a"), Tokens("a", 0, [1]))
+    with pytest.raises(LogCorrupt, match="has 1 tokens but a record continues it at 5"):
+        log.append(Tokens("a", 5, [2]))
+    with pytest.raises(LogCorrupt, match="never opened"):
+        log.append(Tokens("zz", 0, [2]))
+
+
+def test_trims_and_deletes_are_compacted_away(tmp_path):
+    log = SessionLog(tmp_path)
+    log.append(opened("a"), Turn("a", "user", "one", 2), Tokens("a", 0, [1, 2]), Turn("a", "user", "two", 4),
+               Tokens("a", 2, [3, 4]), Parked("a", 5, 4))
+    log.append(opened("gone"), Tokens("gone", 0, [1] * 1000), Deleted("gone"))
+    log.append(Trimmed("a", 3))
+    assert log.states["a"].messages == [{"role": "user", "content": "one"}] and log.states["a"].parked is None
+    before = log.path.stat().st_size
+    log.close()
+    again = SessionLog(tmp_path)  # a deleted session in the log: compacted on open
+    assert "gone" not in again.states and again.path.stat().st_size < before
+    assert again.states["a"].tokens == [1, 2, 3] and again.states["a"].message_ends == [2]
+    again.close()
+
+
+@pytest.mark.parametrize("policy, synced", [("tick", True), ("commit", False), ("never", False)])
+def test_sync_policies(tmp_path, policy, synced):
+    log = SessionLog(tmp_path, policy)
+    log.append(opened("a"))
+    assert log.sync() is synced  # "commit" synced already; "never" leaves it to the kernel
+    assert log.sync() is False
+    log.close()
+
+
+def test_an_unknown_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="log sync policy 'sometimes'"):
+        SessionLog(tmp_path, "sometimes")
