@@ -14,6 +14,7 @@ import pytest
 from hypothesis import settings
 
 from kvpool import Budget, Pool, segment
+from tests import tinymodels
 
 # CI explores the same examples every run, so a red build always means a change broke something;
 # elsewhere each run explores new ones.
@@ -75,3 +76,24 @@ def make_pool():
         except Exception:  # a test may leave views behind on purpose; the unlink still happens
             pass
         remove_segment(pool.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """quant -> TinyModel, for f32, f16, q8_0 and q4_0 weights (the same random weights)."""
+    directory = tmp_path_factory.mktemp("tiny")
+    return {quant: tinymodels.build(directory, quant) for quant in ("f32", "f16", "q8_0", "q4_0")}
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tmp_path_factory):
+    """The tiny model's weights and tokenizer as an mlx-lm directory (f32), taking 16,384
+    positions (the same weights as the GGUF files; only the declared context is longer)."""
+    return tinymodels.build_mlx(tmp_path_factory.mktemp("tiny-mlx"), tinymodels.TinyConfig(context=16384))
+
+
+@pytest.fixture(scope="session")
+def wide_mlx(tmp_path_factory):
+    """An mlx-lm directory whose heads are 64 wide, so a quantized KV cache's groups fit."""
+    config = tinymodels.TinyConfig(hidden=128, heads=2, kv_heads=1, intermediate=256)
+    return tinymodels.build_mlx(tmp_path_factory.mktemp("wide-mlx"), config)

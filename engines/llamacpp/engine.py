@@ -78,7 +78,8 @@ class LlamaCppEngine(Adapter):
         self._n_vocab = api.llama_vocab_n_tokens(self._vocab)
         self._memory = self._lib.memory
         self._mem = self._memory.handle(self._ctx)
-        self._n_batch = values["batch_size"]
+        # llama.cpp caps n_batch at n_ctx: a step split at the option's value could overrun it
+        self._n_batch = min(values["batch_size"], api.llama_n_batch(self._ctx))
         self._batch = api.llama_batch_init(self._n_batch, 0, 1)
         self._tokens_in = np.ctypeslib.as_array(self._batch.token, shape=(self._n_batch,))
         self._pos_in = np.ctypeslib.as_array(self._batch.pos, shape=(self._n_batch,))

@@ -6,13 +6,6 @@ from engines.llamacpp.engine import LlamaCppEngine
 from tests import tinymodels
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    """quant -> TinyModel, for f32, f16, q8_0 and q4_0 weights (the same random weights)."""
-    directory = tmp_path_factory.mktemp("tiny")
-    return {quant: tinymodels.build(directory, quant) for quant in ("f32", "f16", "q8_0", "q4_0")}
-
-
 @pytest.fixture
 def pool(make_pool):
     """A 64 MiB pool for engine state."""
@@ -42,17 +35,3 @@ def engine_for(tiny_models):
     yield make
     for engine in opened:
         engine.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_mlx(tmp_path_factory):
-    """The tiny model's weights and tokenizer as an mlx-lm directory (f32), taking 16,384
-    positions (the same weights as the GGUF files; only the declared context is longer)."""
-    return tinymodels.build_mlx(tmp_path_factory.mktemp("tiny-mlx"), tinymodels.TinyConfig(context=16384))
-
-
-@pytest.fixture(scope="session")
-def wide_mlx(tmp_path_factory):
-    """An mlx-lm directory whose heads are 64 wide, so a quantized KV cache's groups fit."""
-    config = tinymodels.TinyConfig(hidden=128, heads=2, kv_heads=1, intermediate=256)
-    return tinymodels.build_mlx(tmp_path_factory.mktemp("wide-mlx"), config)

@@ -298,3 +298,24 @@ def test_llama_cpp_makes_no_kv_copies_of_its_own(engine_for):
     child = engine.fork(seq)
     engine.step([StepRequest(child, [3]), StepRequest(seq, [4])])
     assert engine.stats().bytes_copied == 0 and engine.stats().copies == 0
+
+
+def test_a_small_context_caps_the_batch_a_step_is_split_at(engine_for):
+    """llama.cpp caps n_batch at n_ctx; a step split at the option's 512 would abort the process."""
+    engine = engine_for("f32", n_ctx=64)
+    assert engine.describe().packing.max_tokens == 64  # n_batch, capped at the n_ctx asked for
+    seq = engine.new_sequence()
+    logits = engine.step([StepRequest(seq, [5] * 200, "last")])[0]
+    assert logits.shape == (1, 300) and engine.length(seq) == 200
+
+
+def test_an_import_counts_the_copy_llama_cpp_makes_from_pool_memory(engine_for, pool):
+    engine = engine_for("f32")
+    seq = engine.new_sequence()
+    engine.step([StepRequest(seq, list(range(3, 40)), "none")])
+    info = engine.export(seq, pool, list(range(3, 40)))
+    written = pool.stats().bytes_copied
+    assert written == info.live_bytes
+    with pool.get(info.id, verify=False) as view:
+        engine.import_(engine.new_sequence(), view)
+    assert pool.stats().bytes_copied == 2 * written

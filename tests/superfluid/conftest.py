@@ -1,0 +1,44 @@
+"""Hosts on the tiny models, for each runtime: closed and their pools unlinked after each test."""
+
+import pytest
+
+from superfluid import Host
+from tests.conftest import remove_segment, unique_pool_name
+
+RUNTIMES = ("llamacpp", "mlx")
+DEFAULTS = {
+    "llamacpp": {"llamacpp_threads": 2, "llamacpp_threads_batch": 2, "llamacpp_n_ctx": 4096},
+    "mlx": {},
+}
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime(request):
+    return request.param
+
+
+@pytest.fixture
+def model_for(tiny_models, tiny_mlx):
+    """The tiny f32 model in the form each runtime loads."""
+    return lambda runtime: tiny_models["f32"].gguf if runtime == "llamacpp" else tiny_mlx
+
+
+@pytest.fixture
+def open_host(runtime, model_for, tmp_path):
+    """Open hosts of this test's runtime (same pool name and log by default, as a restart would)."""
+    opened, names = [], set()
+    name = unique_pool_name()
+
+    def make(*, pool_name: str | None = None, log_dir=None, **options) -> Host:
+        chosen = pool_name or name
+        names.add(chosen)
+        host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, pool_bytes=64 << 20,
+                    log_dir=log_dir or tmp_path / "log", **{**DEFAULTS[runtime], **options})
+        opened.append(host)
+        return host
+
+    yield make
+    for host in opened:
+        host.close()
+    for chosen in names:
+        remove_segment(chosen)

@@ -1,0 +1,200 @@
+"""Host and Session on both engines (tiny f32 models built at test time, real shared memory)."""
+
+import threading
+
+import pytest
+
+from superfluid import ContextFull, SessionBusy, SessionNotFound
+from superfluid.chat import CHATML, ChatTemplate
+
+PROMPT = "The capital of France is Paris. The quick brown fox"
+
+
+def generated(session, **kwargs):
+    generation = session.generate(**kwargs)
+    pieces = list(generation)
+    assert "".join(p.text for p in pieces) == generation.text
+    return generation
+
+
+def test_generate_streams_and_commits_what_it_streams(open_host):
+    host = open_host()
+    s = host.session()
+    s.append_text(PROMPT)
+    prompt = s.tokens
+    generation = generated(s, max_tokens=12)
+    assert generation.finish_reason == "length" and len(generation.tokens) == 12
+    assert s.tokens == prompt + generation.tokens
+    assert generation.prompt_tokens == len(prompt) and generation.cached_tokens == 0
+    again = host.session()
+    again.append_text(PROMPT)
+    assert generated(again, max_tokens=12).tokens == generation.tokens  # greedy, same tokens
+
+
+def test_chat_turns_are_rendered_by_the_models_template(open_host):
+    host = open_host()
+    s = host.session(system="You are terse.")
+    s.append_user("What is the capital of France?")
+    template = ChatTemplate(CHATML)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+    assert s.detokenize(s.tokens) == template.render(messages)
+    reply = s.complete(max_tokens=6)
+    assert s.messages == [*messages, {"role": "assistant", "content": reply}]
+    s.append_user("And Spain?")
+    rendered = s.detokenize(s.tokens)
+    assert rendered.endswith("<|im_end|>\n<|im_start|>user\nAnd Spain?<|im_end|>\n")
+    assert rendered.startswith(template.render(messages, generation_prompt=True))
+
+
+def test_a_fork_copies_no_kv_bytes_and_goes_its_own_way(open_host):
+    host = open_host()
+    s = host.session(temperature=0.9, seed=5)
+    s.append_text(PROMPT)
+    s.complete(max_tokens=4)
+    before = host.stats()
+    child = s.fork()
+    assert host.stats().bytes_copied == before.bytes_copied and child.tokens == s.tokens
+    child.append_text(" and then")
+    child_reply = generated(child, max_tokens=8)
+    parent_reply = generated(s, max_tokens=8)
+    lone = host.session(temperature=0.9, seed=5)
+    lone.append_tokens(s.tokens[:-8])
+    assert generated(lone, max_tokens=8).tokens == parent_reply.tokens  # same seed, same positions
+    assert child_reply.cached_tokens > 0 and child.info().parent == s.id
+
+
+def test_sessions_sharing_a_long_prefix_prefill_it_once(open_host, runtime):
+    host = open_host(prefill_budget=256)
+    words = " ".join(f"w{i}" for i in range(400))
+    sessions = []
+    for i in range(8):
+        s = host.session()
+        s.append_text(words)
+        sessions.append(s)
+    prefix = len(sessions[0].tokens)
+    assert prefix >= 512
+    for i, s in enumerate(sessions):
+        s.append_text(f" question {i}:")
+    generations = [s.generate(max_tokens=4) for s in sessions]
+    replies = [g.collect() for g in generations]
+    stats = host.stats()
+    suffixes = sum(len(s.tokens) - prefix - 4 for s in sessions)
+    assert stats.prefill_tokens <= prefix + suffixes + 8, stats  # the prefix once, each suffix once
+    lone = open_host(pool_name=f"lone-{runtime}-{id(host)}", log_dir=host._log.directory.parent / "lone")
+    for s, reply in zip(sessions, replies):
+        alone = lone.session()
+        alone.append_tokens(s.tokens[:-4])
+        assert alone.complete(max_tokens=4) == reply
+
+
+def test_a_busy_session_refuses_a_second_generation(open_host):
+    host = open_host()
+    s = host.session()
+    s.append_text(PROMPT)
+    first = s.generate(max_tokens=200)
+    with pytest.raises(SessionBusy, match="is generating"):
+        s.generate(max_tokens=5)
+    with pytest.raises(SessionBusy):
+        s.append_text("more")
+    first.cancel()
+    first.collect()
+    assert first.finish_reason == "cancelled"
+    assert host.stats().generating == 0
+    s.append_text(" more")  # free again
+    assert generated(s, max_tokens=2).finish_reason == "length"
+
+
+def test_a_generation_that_times_out_keeps_what_it_made(open_host):
+    host = open_host()
+    s = host.session()
+    s.append_text(PROMPT)
+    generation = s.generate(max_tokens=100_000, timeout=0.3)
+    with pytest.raises(TimeoutError, match="ran past its timeout"):
+        generation.collect()
+    assert generation.finish_reason == "timeout" and s.tokens[-len(generation.tokens):] == generation.tokens
+
+
+def test_reaching_the_context_length_is_an_error_naming_it(open_host, runtime):
+    options = {"llamacpp_n_ctx": 64} if runtime == "llamacpp" else {}
+    host = open_host(**options)
+    limit = host.descriptor.context_length
+    s = host.session()
+    s.append_tokens([5] * (limit - 3))
+    generation = s.generate(max_tokens=50)
+    with pytest.raises(ContextFull, match=f"reached the context length \\({limit} tokens\\)"):
+        generation.collect()
+    assert len(s.tokens) == limit and len(generation.tokens) == 3
+    with pytest.raises(ContextFull, match="trim it"):
+        s.generate()
+    s.trim(limit - 10)
+    assert len(s.tokens) == limit - 10
+
+
+def test_a_context_policy_of_stop_ends_quietly(open_host, runtime):
+    options = {"llamacpp_n_ctx": 64} if runtime == "llamacpp" else {}
+    host = open_host(on_context_full="stop", **options)
+    s = host.session()
+    s.append_tokens([5] * (host.descriptor.context_length - 2))
+    generation = generated(s, max_tokens=50)
+    assert generation.finish_reason == "length" and len(generation.tokens) == 2
+
+
+def test_resuming_after_a_clean_restart_prefills_only_what_is_new(open_host):
+    host = open_host()
+    s = host.session(temperature=0.7, seed=11)
+    s.append_text(PROMPT)
+    s.complete(max_tokens=10)
+    tokens = s.tokens
+    host.close()
+    again = open_host()
+    resumed = again.session(id=s.id)
+    assert resumed.tokens == tokens
+    reply = generated(resumed, max_tokens=6)
+    assert reply.cached_tokens == len(tokens) - 1 and again.stats().prefill_tokens <= 1
+    reference = open_host(pool_name=f"ref-{id(again)}", log_dir=again._log.directory.parent / "ref")
+    lone = reference.session(temperature=0.7, seed=11)
+    lone.append_tokens(tokens)
+    assert generated(lone, max_tokens=6).tokens == reply.tokens
+
+
+def test_calls_from_many_threads(open_host):
+    host = open_host()
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            s = host.session()
+            s.append_text(f"{PROMPT} {i}")
+            results[i] = s.complete(max_tokens=5)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 6 and len(host.sessions()) == 6
+
+
+def test_bad_calls_name_the_problem_and_change_nothing(open_host, runtime):
+    host = open_host()
+    s = host.session()
+    with pytest.raises(ValueError, match="priority 'urgent'"):
+        host.session(priority="urgent")
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        s.append_tokens([1, 10**6])
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        s.generate(max_tokens=0)
+    with pytest.raises(Exception, match="holds no tokens"):
+        s.generate()
+    with pytest.raises(SessionNotFound, match="no session 'nope'"):
+        host.session(id="nope")
+    with pytest.raises(ValueError, match=r"trim\(5\)"):
+        s.trim(5)
+    assert s.tokens == [] and len(host.sessions()) == 1
+    host.delete(s.id)
+    assert host.sessions() == []
+    other = "mlx" if runtime == "llamacpp" else "llamacpp"
+    with pytest.raises(ValueError, match=f"option {other}_threads is for the {other} runtime"):
+        open_host(pool_name="unused", **{f"{other}_threads": 2})
