@@ -28,6 +28,10 @@ class LogCorrupt(SuperfluidError):
     """The session log is damaged in a way replay must not guess about."""
 
 
+class LogBusy(SuperfluidError):
+    """Another Host (in this process or another) holds the session log directory."""
+
+
 class HostClosed(SuperfluidError):
     """The host was closed (or its scheduler stopped after an error)."""
 

@@ -18,6 +18,7 @@ sessions and superseded records go) into a new file renamed over the old one.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
@@ -28,7 +29,7 @@ from typing import Union
 import msgspec
 import xxhash
 
-from superfluid.errors import LogCorrupt
+from superfluid.errors import LogBusy, LogCorrupt
 from superfluid.sampling import Sampling
 
 MAGIC = b"SFLOG\0"
@@ -38,6 +39,7 @@ FRAME = struct.Struct("<IQ")
 MAX_RECORD = 64 << 20
 SYNC_POLICIES = ("tick", "commit", "never")
 FILE_NAME = "sessions.log"
+LOCK_NAME = "sessions.lock"  # flock'ed by the Host using the directory (the kernel drops it with the process)
 
 
 class Opened(msgspec.Struct, tag="open"):
@@ -119,22 +121,31 @@ class SessionState:
         return records
 
 
+def check(record: Record, length: int | None, where: str = "") -> None:
+    """LogCorrupt when `record` contradicts its session, which holds `length` tokens (None: no
+    such session)."""
+    if isinstance(record, (Opened, Deleted)):
+        return
+    if length is None:
+        raise LogCorrupt(f"session log{where}: a {type(record).__name__} record for session {record.session!r}, which "
+                         "was never opened; the log is not one superfluid wrote in order. Move it aside to start empty")
+    if isinstance(record, Tokens) and record.start != length:
+        raise LogCorrupt(f"session log{where}: session {record.session!r} has {length} tokens but a "
+                         f"record continues it at {record.start}; move the log aside to start empty")
+
+
 def apply(states: dict[str, SessionState], record: Record, where: str = "") -> None:
     """Apply one record to the replayed states (LogCorrupt when it contradicts them)."""
+    state = states.get(record.session)
+    check(record, None if state is None else len(state.tokens), where)
     if isinstance(record, Opened):
         states[record.session] = SessionState(record.session, record.created, record.sampling, record.priority,
                                               record.parent)
         return
     state = states.get(record.session)
     if state is None:
-        if isinstance(record, Deleted):
-            return
-        raise LogCorrupt(f"session log{where}: a {type(record).__name__} record for session {record.session!r}, which "
-                         "was never opened; the log is not one superfluid wrote in order. Move it aside to start empty")
+        return  # a deletion of a session already gone
     if isinstance(record, Tokens):
-        if record.start != len(state.tokens):
-            raise LogCorrupt(f"session log{where}: session {record.session!r} has {len(state.tokens)} tokens but a "
-                             f"record continues it at {record.start}; move the log aside to start empty")
         state.tokens.extend(record.tokens)
     elif isinstance(record, Turn):
         state.messages.append({"role": record.role, "content": record.content})
@@ -162,6 +173,20 @@ class SessionLog:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / FILE_NAME
+        self._lock_fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise LogBusy(f"another Host is using the session log in {self.directory}; close it first, or give "
+                          "this one its own log_dir (and pool_name)") from None
+        try:
+            self._open()
+        except BaseException:
+            os.close(self._lock_fd)  # the lock goes with it
+            raise
+
+    def _open(self) -> None:
         self._lock = threading.Lock()
         self._dirty = False
         self.states: dict[str, SessionState] = {}
@@ -229,14 +254,31 @@ class SessionLog:
             frames.append(FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
         blob = b"".join(frames)
         with self._lock:
+            self._check_all(records)  # nothing that contradicts the log is ever written to it
+            os.write(self._fd, blob)
             for record in records:
                 apply(self.states, record)
-            os.write(self._fd, blob)
             self._written_since_compaction += len(blob)
             self._dirty = True
             if self.sync_policy == "commit":
                 os.fsync(self._fd)
                 self._dirty = False
+
+    def _check_all(self, records) -> None:
+        lengths: dict[str, int | None] = {}  # each session's tokens after the records checked so far
+        for record in records:
+            if record.session not in lengths:
+                state = self.states.get(record.session)
+                lengths[record.session] = None if state is None else len(state.tokens)
+            check(record, lengths[record.session])
+            if isinstance(record, Opened):
+                lengths[record.session] = 0
+            elif isinstance(record, Tokens):
+                lengths[record.session] += len(record.tokens)
+            elif isinstance(record, Trimmed):
+                lengths[record.session] = min(lengths[record.session], record.length)
+            elif isinstance(record, Deleted):
+                lengths[record.session] = None
 
     def sync(self) -> bool:
         """fsync if something was written since the last sync and the policy is "tick"; True if it synced."""
@@ -287,3 +329,4 @@ class SessionLog:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+            os.close(self._lock_fd)

@@ -99,3 +99,23 @@ def test_sync_policies(tmp_path, policy, synced):
 def test_an_unknown_policy_is_refused(tmp_path):
     with pytest.raises(ValueError, match="log sync policy 'sometimes'"):
         SessionLog(tmp_path, "sometimes")
+
+
+def test_a_contradicting_append_writes_nothing(tmp_path):
+    log = SessionLog(tmp_path)
+    log.append(opened("a"))
+    size = log.path.stat().st_size
+    with pytest.raises(LogCorrupt, match="continues it at 2"):
+        log.append(Tokens("a", 0, [1]), Tokens("a", 2, [2]))  # the second does not follow the first
+    assert log.path.stat().st_size == size and log.states["a"].tokens == []
+    log.close()
+
+
+def test_one_log_directory_serves_one_host_at_a_time(tmp_path):
+    from superfluid.errors import LogBusy
+
+    log = SessionLog(tmp_path)
+    with pytest.raises(LogBusy, match="another Host is using the session log"):
+        SessionLog(tmp_path)
+    log.close()
+    SessionLog(tmp_path).close()  # free again

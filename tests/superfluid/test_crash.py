@@ -1,0 +1,58 @@
+"""SIGKILL in the middle of a generation, then a new Host: nothing committed is lost, and only the
+tokens since the last checkpoint are prefilled again."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_killed_host_resumes_every_session_at_its_last_committed_token(open_host, runtime, model_for, tmp_path):
+    name = f"crash-{os.getpid()}-{runtime}"
+    child = subprocess.Popen([sys.executable, "-m", "tests.superfluid.crash_host", str(model_for(runtime)), runtime,
+                              name, str(tmp_path / "log")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        _, session_id, prompt = child.stdout.readline().split()
+        reported = []
+        while len(reported) < 40:
+            line = child.stdout.readline()
+            assert line.startswith("token "), f"the child ended early: {line!r}"
+            reported.append(int(line.split()[1]))
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    host = open_host(pool_name=name)  # the same pool and log
+    session = host.session(id=session_id)
+    tokens = session.tokens
+    start = int(prompt)
+    assert tokens[start:start + len(reported)] == reported  # every reported token was committed
+    parked = session.info().parked_tokens
+    assert parked >= 16, "a checkpoint every 16 tokens must have parked something"
+    generation = session.generate(max_tokens=3)
+    generation.collect()
+    assert generation.cached_tokens == parked  # re-attached from the surviving segment
+    assert host.stats().prefill_tokens == len(tokens) - parked  # only what came after the checkpoint
+    assert len(tokens) - parked <= 16 + 1
+
+
+def test_without_the_segment_the_log_is_prefilled_again(open_host, runtime, model_for, tmp_path):
+    from tests.conftest import remove_segment
+
+    name = f"crash-gone-{os.getpid()}-{runtime}"
+    host = open_host(pool_name=name, checkpoint_tokens=8)
+    session = host.session()
+    session.append_text("The capital of France is Paris.")
+    session.complete(max_tokens=20)
+    tokens = session.tokens
+    host.close()
+    remove_segment(name)  # the machine rebooted: shared memory is gone
+    again = open_host(pool_name=name)
+    resumed = again.session(id=session.id)
+    assert resumed.tokens == tokens
+    generation = resumed.generate(max_tokens=2)
+    generation.collect()
+    assert generation.cached_tokens == 0 and again.stats().prefill_tokens == len(tokens)

@@ -1,0 +1,102 @@
+"""The scheduler on both engines: lanes decoding together, preemption by priority, stop strings
+and cancellation in the middle of a stream."""
+
+import pytest
+
+PROMPT = "The capital of France is Paris. The quick brown fox"
+LIMITS = {"llamacpp": {"llamacpp_n_seq_max": 2}, "mlx": {"mlx_max_sequences": 2}}
+
+
+def reference_tokens(open_host, runtime, prompts, directory, **generate):
+    """What each prompt generates alone, on an idle host."""
+    lone = open_host(pool_name=f"ref-{runtime}-{len(prompts)}", log_dir=directory / "reference-log")
+    out = []
+    for text, seed in prompts:
+        s = lone.session(temperature=0.8, seed=seed)
+        s.append_text(text)
+        out.append(s.generate(**generate))
+        out[-1].collect()
+    return [g.tokens for g in out]
+
+
+def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupted(open_host, runtime, tmp_path):
+    host = open_host(**LIMITS[runtime])
+    prompts = [(PROMPT, 1), (PROMPT + " jumps", 2)]
+    background = []
+    for text, seed in prompts:
+        s = host.session(priority="background", temperature=0.8, seed=seed)
+        s.append_text(text)
+        background.append(s.generate(max_tokens=300))
+    for generation in background:
+        for _ in range(3):
+            next(generation)  # both are mid-generation now
+    urgent = host.session(priority="interactive")
+    urgent.append_text("Hello")
+    quick = urgent.generate(max_tokens=5)
+    quick.collect()
+    for generation in background:
+        generation.collect()
+    stats = host.stats()
+    assert stats.preemptions >= 1 and stats.exports >= 1 and stats.imports >= 1
+    assert quick.finish_reason == "length"
+    expected = reference_tokens(open_host, runtime, prompts, tmp_path, max_tokens=300)
+    assert [g.tokens for g in background] == expected  # token for token
+
+
+def test_a_default_arrival_waits_for_a_lane_instead_of_preempting(open_host, runtime):
+    host = open_host(**LIMITS[runtime])
+    running = []
+    for seed in (1, 2):
+        s = host.session(priority="background", seed=seed)
+        s.append_text(PROMPT)
+        running.append(s.generate(max_tokens=60))
+    waiting = host.session()
+    waiting.append_text("Hello")
+    late = waiting.generate(max_tokens=3)
+    late.collect()
+    for generation in running:
+        generation.collect()
+    assert host.stats().preemptions == 0 and late.finish_reason == "length"
+
+
+def test_a_stop_string_spanning_tokens_ends_the_generation_before_it(open_host):
+    host = open_host()
+    s = host.session(temperature=0.8, seed=9)
+    s.append_text(PROMPT)
+    probe = s.fork()
+    pieces = [p.text for p in probe.generate(max_tokens=40) if p.text]
+    text = "".join(pieces)
+    first = len(pieces[0]) + len(pieces[1])
+    stop = text[first - 2:first + 2]  # the end of the second piece and the start of the third
+    assert stop and stop not in text[:first - 2]
+    generation = s.generate(max_tokens=40, stop=[stop, "never appears \u2603"])
+    assert generation.collect() == text[:first - 2] and generation.finish_reason == "stop"
+
+
+def test_cancelling_mid_stream_frees_the_lane_at_once(open_host, runtime):
+    host = open_host(**LIMITS[runtime])
+    s = host.session()
+    s.append_text(PROMPT)
+    generation = s.generate(max_tokens=100_000)
+    next(generation)
+    generation.cancel()
+    rest = list(generation)
+    assert generation.finish_reason == "cancelled" and len(rest) < 50
+    assert host.stats().generating == 0
+    others = []
+    for seed in (1, 2):  # both lanes are usable again
+        other = host.session(seed=seed)
+        other.append_text("Hello")
+        others.append(other.generate(max_tokens=2))
+    assert [g.collect() is not None and g.finish_reason for g in others] == ["length", "length"]
+
+
+@pytest.mark.parametrize("policy", ["tick", "commit", "never"])
+def test_every_log_sync_policy_keeps_a_clean_restart_whole(open_host, policy):
+    host = open_host(log_sync=policy)
+    s = host.session()
+    s.append_text(PROMPT)
+    s.complete(max_tokens=5)
+    tokens = s.tokens
+    host.close()
+    assert open_host(log_sync=policy).session(id=s.id).tokens == tokens
