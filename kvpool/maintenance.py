@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool import compaction
+from kvpool import compaction, eviction
 from kvpool.allocator import align_up
 from kvpool.entry import EntryRecord
 from kvpool.errors import DataCorrupt
@@ -75,3 +75,26 @@ class Compacting:
             self._counters.relocations += entries
             self._counters.bytes_moved += moved
             return done
+
+    def shed(self, target_bytes: int) -> int:
+        """Evict unreferenced, unpinned entries, cheapest per byte first, until the pool uses at
+        most `target_bytes` (or nothing evictable is left): what a host does when it passes its
+        high watermark, before a put would have to. Returns the bytes freed."""
+        with self._lock:
+            self._check_open()
+            freed = 0
+            order = eviction.eviction_order(
+                eviction.Candidate(r.id, r.stored_bytes, r.header.recompute_cost, r.last_used)
+                for r in self._entries.values() if not r.refcount and self._movable(r))
+            for entry_id in order:
+                if self._bytes_used <= target_bytes:
+                    break
+                record = self._entries[entry_id]
+                freed += record.stored_bytes
+                self._evict(record)
+            return freed
+
+    def pinned_bytes(self) -> int:
+        """Bytes held by entries pinned with pin() (open views do not count)."""
+        with self._lock:
+            return sum(r.stored_bytes for r in self._entries.values() if r.pins)

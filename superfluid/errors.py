@@ -32,6 +32,10 @@ class LogBusy(SuperfluidError):
     """Another Host (in this process or another) holds the session log directory."""
 
 
+class PinLimit(SuperfluidError):
+    """Pinning a session's KV would pass the host's cap on pinned bytes."""
+
+
 class HostClosed(SuperfluidError):
     """The host was closed (or its scheduler stopped after an error)."""
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from engines import registry
-from kvpool import EntryNotFound, Pool, PoolNotFound
+from kvpool import EntryNotFound, Pool, PoolError, PoolNotFound
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
-from superfluid.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
+from superfluid.errors import ContextFull, PinLimit, SessionBusy, SessionNotFound, SuperfluidError
 from superfluid.log import Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
 from superfluid.scheduler import Job, Live, Scheduler
 from superfluid.session import PRIORITIES, Generation, Session, SessionInfo
@@ -47,7 +47,8 @@ class Host:
     def __init__(self, model: str | os.PathLike, *, runtime: str | None = None, pool_name: str = "superfluid",
                  pool_bytes: int = DEFAULT_POOL_BYTES, log_dir: str | os.PathLike | None = None,
                  log_sync: str = "tick", prefill_budget: int = 512, checkpoint_tokens: int = 256,
-                 publish_tokens: int = 256, on_context_full: str = "error", **runtime_options: Any) -> None:
+                 publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
+                 low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
         pool `pool_name`, replay the session log in `log_dir`. Runtime options are passed as
         `<runtime>_<option>=value` (for example llamacpp_threads=2, mlx_prefill_chunk=256)."""
@@ -59,12 +60,17 @@ class Host:
                             ("publish_tokens", publish_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
+        if not 0 < low_watermark <= high_watermark <= 1 or not 0 <= max_pinned_fraction <= 1:
+            raise ValueError(f"watermarks must satisfy 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1, and "
+                             f"max_pinned_fraction ({max_pinned_fraction}) lie in [0, 1]")
+        self.max_pinned_fraction = max_pinned_fraction
         adapter = registry.adapter(self.runtime)
         self._log = SessionLog(log_dir or default_log_dir(pool_name), log_sync)
         self._counters = Counters()
         self._scheduler = Scheduler(lambda: adapter(model, **options), None, self._log, self._counters,
                                     prefill_budget=prefill_budget, checkpoint_tokens=checkpoint_tokens,
-                                    publish_tokens=publish_tokens, on_context_full=on_context_full)
+                                    publish_tokens=publish_tokens, on_context_full=on_context_full,
+                                    watermarks=(high_watermark, low_watermark))
         try:
             self._scheduler.start()
         except BaseException:
@@ -140,7 +146,8 @@ class Host:
         return live
 
     def _on_recover(self) -> None:
-        """Sessions from the replayed log; each takes back a reference to the KV it had parked."""
+        """Sessions from the replayed log, each with the KV it had parked if the segment still
+        holds it (any other cached prefix is found by the pool's prefix index when it resumes)."""
         for state in self._log.states.values():
             live = Live(state)
             if state.parked is not None:
@@ -149,9 +156,7 @@ class Host:
                     info = self.pool.info(entry)
                 except EntryNotFound:
                     info = None
-                if (info is not None and info.identity == self.descriptor.identity and info.tokens == tokens
-                        and info.tag == f"session:{state.id}"):
-                    self.pool.share(entry)
+                if info is not None and info.identity == self.descriptor.identity and info.tokens == tokens:
                     live.entry = entry
             self._scheduler.sessions[state.id] = live
 
@@ -255,8 +260,7 @@ class Host:
         if parent.seq is not None and held < self.descriptor.packing.max_sequences:
             child.seq, child.kv = self._scheduler.engine.fork(parent.seq), parent.kv
         elif parent.entry is not None and state.parked is not None:
-            self.pool.share(parent.entry)
-            child.entry = parent.entry
+            child.entry = parent.entry  # the same parked KV: nothing copied, nothing referenced
             self._log.append(Parked(child_id, *state.parked))
         self._scheduler.sessions[child_id] = child
         return child_id
@@ -282,6 +286,33 @@ class Host:
         self._scheduler._hold(live, None)
         self._log.append(Deleted(session_id))
         del self._scheduler.sessions[session_id]
+
+    def _on_pin(self, session_id) -> int:
+        live = self._live(session_id)
+        if live.pinned:
+            return self.pool.info(live.entry).stored_bytes
+        self._scheduler.park(live, keep_lane=True)  # its KV as it is now goes to the pool first
+        if live.entry is None:
+            raise SuperfluidError(f"session {session_id!r} has no KV to pin yet (nothing was prefilled, or the pool "
+                                  "had no room); generate first")
+        stats, size = self.pool.stats(), self.pool.info(live.entry).stored_bytes
+        cap = int(self.max_pinned_fraction * stats.budget_bytes)
+        if self.pool.pinned_bytes() + size > cap:
+            raise PinLimit(f"pinning session {session_id!r} ({size} bytes) would pin {self.pool.pinned_bytes() + size} "
+                           f"bytes, over the cap of {cap} ({self.max_pinned_fraction:.0%} of the pool's budget); unpin "
+                           "other sessions or raise max_pinned_fraction")
+        self.pool.pin(live.entry)
+        live.pinned = True
+        return size
+
+    def _on_unpin(self, session_id) -> None:
+        live = self._live(session_id)
+        if live.pinned:
+            live.pinned = False
+            try:
+                self.pool.unpin(live.entry)
+            except PoolError:
+                pass  # already gone
 
     def _on_tokens(self, session_id) -> list[int]:
         return list(self._live(session_id).state.tokens)
@@ -315,8 +346,6 @@ class Host:
             if live.job is not None:
                 scheduler.finish(live, "closed")
             scheduler.park(live, keep_lane=False)
-        for live in scheduler.sessions.values():
-            scheduler._hold(live, None)
         self._log.close()
         scheduler.engine.close()
         self.pool.close()

@@ -65,21 +65,24 @@ class Live:
     state: SessionState
     seq: int | None = None
     kv: int = 0  # state.tokens[:kv] are in the engine sequence
-    entry: int | None = None  # the pool entry this session holds a reference to (its parked KV)
+    entry: int | None = None  # the pool entry holding its parked KV (if not evicted since)
     job: Job | None = None
     last_used: int = 0
     since_park: int = 0  # tokens committed since the last export
+    pinned: bool = False  # its parked KV is pinned in the pool (the pin moves with each new park)
 
 
 class Scheduler:
     """Owns one engine on its own thread; everything that touches the engine runs here."""
 
     def __init__(self, open_engine: Callable[[], Any], pool: Pool, log: SessionLog, counters: Counters, *,
-                 prefill_budget: int, checkpoint_tokens: int, publish_tokens: int, on_context_full: str) -> None:
+                 prefill_budget: int, checkpoint_tokens: int, publish_tokens: int, on_context_full: str,
+                 watermarks: tuple[float, float] = (0.9, 0.75)) -> None:
         self._open_engine = open_engine
         self.pool, self.log, self.counters = pool, log, counters
         self.prefill_budget, self.checkpoint_tokens = prefill_budget, checkpoint_tokens
         self.publish_tokens, self.on_context_full = publish_tokens, on_context_full
+        self.high_watermark, self.low_watermark = watermarks
         self.sessions: dict[str, Live] = {}
         self._commands: queue.Queue = queue.Queue()
         self._clock = itertools.count(1)
@@ -201,6 +204,7 @@ class Scheduler:
         else:
             self._step([r for r in requests if r[0] in decode])
             self._step([r for r in requests if r[0] not in decode])
+        self.relieve_pressure()
         self.log.sync()
         if self.log.should_compact():
             self.log.compact()
@@ -322,8 +326,7 @@ class Scheduler:
 
     def park(self, live: Live, *, keep_lane: bool) -> None:
         """Export the lane's KV into the pool (logged as Parked); free its sequence unless `keep_lane`."""
-        if live.seq is not None and live.kv > 0 and (live.entry is None or live.state.parked is None
-                                                     or live.state.parked[1] != live.kv):
+        if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
             info = None
             try:
                 info = self.engine.export(live.seq, self.pool, live.state.tokens[:live.kv], tag=f"session:{live.state.id}")
@@ -332,20 +335,44 @@ class Scheduler:
             if info is not None:
                 self.counters.exports += 1
                 self._hold(live, info.id)
+                self.pool.release(info.id)  # cached, not held: see _hold
                 self.log.append(Parked(live.state.id, info.id, live.kv))
                 live.since_park = 0
         if not keep_lane and live.seq is not None:
             self.engine.free_sequence(live.seq)
             live.seq, live.kv = None, 0
 
+    def _parked_as_is(self, live: Live) -> bool:
+        """True when the pool still holds the session's KV as its lane holds it now."""
+        if live.entry is None or live.state.parked is None or live.state.parked[1] != live.kv:
+            return False
+        try:
+            self.pool.info(live.entry)
+        except PoolError:
+            return False  # evicted since
+        return True
+
     def _hold(self, live: Live, entry: int | None) -> None:
-        """Make `entry` the session's parked KV, releasing the one it held."""
-        if live.entry is not None:
+        """Make `entry` the session's parked KV. Sessions hold no reference to it, so under
+        pressure it is evicted by cost like any cached entry (the session then prefills from its
+        log); only a pinned session's entry stays, and its pin moves to each new park."""
+        if live.pinned and entry is not None:
+            self.pool.pin(entry)
+        if live.pinned and live.entry is not None:
             try:
-                self.pool.release(live.entry)
+                self.pool.unpin(live.entry)
             except PoolError:
-                pass  # evicted or already gone: nothing to release
+                pass  # already gone
         live.entry = entry
+        if entry is None:
+            live.pinned = False
+
+    def relieve_pressure(self) -> int:
+        """Past the high watermark, evict cached entries nobody holds down to the low one."""
+        stats = self.pool.stats()
+        if stats.bytes_used <= self.high_watermark * stats.budget_bytes:
+            return 0
+        return self.pool.shed(int(self.low_watermark * stats.budget_bytes))
 
     def _restore(self, live: Live) -> None:
         """Give `live` a sequence holding the longest cached prefix of its tokens (all but the

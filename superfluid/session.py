@@ -23,7 +23,8 @@ PRIORITIES = ("interactive", "default", "background")  # most urgent first
 
 class Piece(NamedTuple):
     """One step of a generation: the text it makes showable (may be empty: a character or a
-    possible stop string still incomplete) and the token sampled."""
+    possible stop string still incomplete) and the token sampled (-1 for the last piece of a
+    generation that ended while text was held back: that text, with no new token)."""
 
     text: str
     token: int
@@ -93,7 +94,8 @@ class Generation:
                 if item.error is not None:
                     raise item.error
                 raise StopIteration
-            self.tokens.append(item.token)
+            if item.token >= 0:  # -1: text held back until the end, released with no token
+                self.tokens.append(item.token)
             self.text += item.text
             return item
 
@@ -152,6 +154,16 @@ class Session:
     def trim(self, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens (and the chat messages that end within them)."""
         self._host._call("trim", self.id, n_tokens)
+
+    def pin(self) -> int:
+        """Keep this session's KV in the pool, never evicted, until unpin() (or the host closes).
+        Its KV as it is now is parked first; later parks move the pin along. PinLimit when the
+        host's cap on pinned bytes would be passed. Returns the bytes pinned."""
+        return self._host._call("pin", self.id)
+
+    def unpin(self) -> None:
+        """Let this session's parked KV be evicted again under pressure."""
+        self._host._call("unpin", self.id)
 
     @property
     def tokens(self) -> list[int]:

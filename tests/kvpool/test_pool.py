@@ -287,3 +287,20 @@ def test_a_device_without_free_memory_grants_nothing_and_says_why(pool_name):
     finally:
         pool.close()
         pool.unlink()
+
+
+def test_shed_evicts_cheapest_first_down_to_a_target_and_spares_held_entries(make_pool):
+    pool = make_pool(1 << 20)
+    cheap = pool.put("m", range(5), heads_kv(5), recompute_cost=1.0)
+    dear = pool.put("m", range(5), heads_kv(5), recompute_cost=100.0)
+    held = pool.put("m", range(5), heads_kv(5), recompute_cost=0.5)
+    pinned = pool.put("m", range(5), heads_kv(5), recompute_cost=0.1)
+    for entry in (cheap, dear, pinned):
+        pool.release(entry.id)
+    pool.pin(pinned.id)
+    used = pool.stats().bytes_used
+    assert pool.pinned_bytes() == pinned.stored_bytes
+    freed = pool.shed(used - 1)  # one entry's worth is enough
+    assert freed == cheap.stored_bytes and {e.id for e in pool.entries()} == {dear.id, held.id, pinned.id}
+    assert pool.shed(0) == dear.stored_bytes and {e.id for e in pool.entries()} == {held.id, pinned.id}
+    assert pool.stats().evictions == 2

@@ -32,8 +32,9 @@ def open_host(runtime, model_for, tmp_path):
     def make(*, pool_name: str | None = None, log_dir=None, **options) -> Host:
         chosen = pool_name or name
         names.add(chosen)
-        host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, pool_bytes=64 << 20,
-                    log_dir=log_dir or tmp_path / "log", **{**DEFAULTS[runtime], **options})
+        options = {"pool_bytes": 64 << 20, **DEFAULTS[runtime], **options}
+        host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, log_dir=log_dir or tmp_path / "log",
+                    **options)
         opened.append(host)
         return host
 
