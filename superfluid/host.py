@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import registry
-from kvpool import EntryNotFound, Pool, PoolError, PoolNotFound
+from kvpool import EntryNotFound, Pool, PoolError, PoolNotFound, segment
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
 from superfluid.errors import ContextFull, PinLimit, SessionBusy, SessionNotFound, SuperfluidError
@@ -78,9 +78,15 @@ class Host:
             raise
         self.descriptor = self._scheduler.descriptor
         try:
-            self.pool = Pool.attach(pool_name)
-        except PoolNotFound:
-            self.pool = Pool.create(pool_name, pool_bytes, device=self.descriptor.device)
+            try:
+                self.pool = Pool.attach(pool_name)
+            except PoolNotFound:
+                self.pool = Pool.create(pool_name, pool_bytes, device=self.descriptor.device)
+        except BaseException:  # no pool (busy, full /dev/shm, ...): nothing may stay open
+            self._scheduler.stop()
+            self._scheduler.thread.join()
+            self._log.close()
+            raise
         self._scheduler.pool = self.pool
         handlers = {name[len("_on_"):]: getattr(self, name) for name in dir(self) if name.startswith("_on_")}
         self._scheduler.handlers.update(handlers)
@@ -113,9 +119,10 @@ class Host:
         """Counters for tests, benchmarks and the server."""
         return self._call("stats")
 
-    def close(self) -> None:
-        """Park every live lane, sync and close the log, release the engine and the pool (its
-        segment stays for the next Host). Idempotent."""
+    def close(self, *, remove_pool: bool = False) -> None:
+        """Park every live lane, sync and close the log, release the engine and the pool. Its
+        segment stays for the next Host unless `remove_pool` (then parked KV is gone, and a
+        restarted Host prefills its sessions from the log). Idempotent."""
         scheduler = self._scheduler
         if scheduler.alive():
             try:
@@ -123,8 +130,14 @@ class Host:
             finally:
                 scheduler.stop()
                 scheduler.thread.join()
-        else:
+        else:  # the scheduler failed: what it could not close
             self._log.close()
+            try:
+                self.pool.close()  # idempotent
+            except PoolError:
+                pass  # views left open by the failed scheduler: the segment stays for the next Host
+        if remove_pool and self.pool.name in segment.list_pool_names():
+            segment.unlink(self.pool.name)
 
     def __enter__(self) -> Host:
         return self

@@ -121,6 +121,7 @@ class Scheduler:
             self._fail_all(exc)
         finally:
             self._drain(block=False, refuse=True)
+            self.engine.close()  # idempotent; after a clean close this does nothing
 
     def alive(self) -> bool:
         """True while the thread runs."""
