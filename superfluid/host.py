@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import registry
+from engines.errors import EngineError
 from kvpool import EntryNotFound, Pool, PoolError, PoolNotFound, segment
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
@@ -91,7 +92,11 @@ class Host:
         handlers = {name[len("_on_"):]: getattr(self, name) for name in dir(self) if name.startswith("_on_")}
         self._scheduler.handlers.update(handlers)
         self._scheduler.after_generation = self._close_turn
-        self._call("recover")
+        try:
+            self._call("recover")
+        except BaseException:
+            self.close()
+            raise
 
     # ----------------------------------------------------------------------------- public
 
@@ -154,6 +159,8 @@ class Host:
         live = self._scheduler.sessions.get(session_id)
         if live is None:
             raise SessionNotFound(f"no session {session_id!r} (see Host.sessions())")
+        if idle and live.job is not None and live.job.generation.cancelled.is_set():
+            self._scheduler.finish(live, "cancelled")  # cancelled but not yet seen by a tick
         if idle and live.job is not None:
             raise SessionBusy(f"session {session_id!r} is generating; wait for it to finish or cancel it first")
         return live
@@ -169,7 +176,11 @@ class Host:
                     info = self.pool.info(entry)
                 except EntryNotFound:
                     info = None
-                if info is not None and info.identity == self.descriptor.identity and info.tokens == tokens:
+                # A recreated pool numbers entries from 1 again: the tag (this session's, or the
+                # parent's for a fork that shared its parent's parked KV) tells them apart.
+                owners = {f"session:{state.id}", f"session:{state.parent}"}
+                if (info is not None and info.identity == self.descriptor.identity and info.tokens == tokens
+                        and info.tag in owners):
                     live.entry = entry
             self._scheduler.sessions[state.id] = live
 
@@ -221,15 +232,18 @@ class Host:
             raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
         settings = sampler.Sampling(**{**{f: getattr(live.state.sampling, f) for f in sampler.Sampling.__struct_fields__},
                                        **overrides})
+        opening = []
         if live.state.messages:
             opening = self._scheduler.engine.tokenize(self._template().opening(live.state.messages), special=True)
+        total, limit = len(live.state.tokens) + len(opening), self.descriptor.context_length
+        if not total:
+            raise SuperfluidError(f"session {session_id!r} holds no tokens to generate from; append a message or text")
+        if limit and total >= limit:
+            raise ContextFull(f"session {session_id!r} holds {total} tokens with the assistant's opening, the context "
+                              f"length is {limit}; trim it or start a new session")
+        if opening:  # only once the generation is sure to start
             self._commit(live, opening)
         tokens = live.state.tokens
-        if not tokens:
-            raise SuperfluidError(f"session {session_id!r} holds no tokens to generate from; append a message or text")
-        if len(tokens) >= self.descriptor.context_length:
-            raise ContextFull(f"session {session_id!r} holds {len(tokens)} tokens, the context length "
-                              f"({self.descriptor.context_length}); trim it or start a new session")
         if live.seq is not None and live.kv > len(tokens) - 1:
             self._scheduler.engine.truncate(live.seq, len(tokens) - 1)  # the last token's logits are needed
             live.kv = len(tokens) - 1
@@ -282,10 +296,14 @@ class Host:
         live = self._live(session_id, idle=True)
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(live.state.tokens):
             raise ValueError(f"trim({n_tokens!r}): session {session_id!r} holds {len(live.state.tokens)} tokens")
-        self._log.append(Trimmed(session_id, n_tokens))
         if live.seq is not None and live.kv > n_tokens:
-            self._scheduler.engine.truncate(live.seq, n_tokens)
-            live.kv = n_tokens
+            try:
+                self._scheduler.engine.truncate(live.seq, n_tokens)
+                live.kv = n_tokens
+            except EngineError:  # a cache that cannot be cut back: the lane goes; the log has the tokens
+                self._scheduler.engine.free_sequence(live.seq)
+                live.seq, live.kv = None, 0
+        self._log.append(Trimmed(session_id, n_tokens))
         if live.state.parked is None:
             self._scheduler._hold(live, None)
 
@@ -349,20 +367,25 @@ class Host:
         pool, engine, c = self.pool.stats(), self._scheduler.engine.stats(), self._counters
         lives = self._scheduler.sessions.values()
         return HostStats(c.prefill_tokens, c.decode_tokens, c.cached_tokens, c.generations, c.exports, c.imports,
-                         c.import_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied, pool.bytes_copied,
+                         c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied, pool.bytes_copied,
                          engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries, len(lives),
                          sum(1 for live in lives if live.seq is not None), sum(1 for live in lives if live.job))
 
     def _on_close(self) -> None:
         scheduler = self._scheduler
-        for live in list(scheduler.sessions.values()):
-            if live.job is not None:
-                scheduler.finish(live, "closed")
-            scheduler.park(live, keep_lane=False)
-        self._log.close()
-        scheduler.engine.close()
-        self.pool.close()
-        scheduler.stop()
+        scheduler.stop()  # commands queued behind this one are refused
+        try:
+            for live in list(scheduler.sessions.values()):
+                if live.job is not None:
+                    scheduler.finish(live, "closed")
+                try:
+                    scheduler.park(live, keep_lane=False)
+                except EngineError:  # this lane's KV is lost; its tokens are in the log
+                    pass
+        finally:
+            self._log.close()
+            scheduler.engine.close()
+            self.pool.close()
 
 
 def _runtime_options(runtime: str, given: dict[str, Any]) -> dict[str, Any]:

@@ -255,7 +255,7 @@ class SessionLog:
         blob = b"".join(frames)
         with self._lock:
             self._check_all(records)  # nothing that contradicts the log is ever written to it
-            os.write(self._fd, blob)
+            self._write(blob)
             for record in records:
                 apply(self.states, record)
             self._written_since_compaction += len(blob)
@@ -263,6 +263,18 @@ class SessionLog:
             if self.sync_policy == "commit":
                 os.fsync(self._fd)
                 self._dirty = False
+
+    def _write(self, blob: bytes) -> None:
+        """Append `blob` whole, or not at all: a short write is continued, and a failed one is cut
+        back so the next record never lands after a torn frame (which replay would call damage)."""
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        view = memoryview(blob)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            os.ftruncate(self._fd, start)
+            raise
 
     def _check_all(self, records) -> None:
         lengths: dict[str, int | None] = {}  # each session's tokens after the records checked so far

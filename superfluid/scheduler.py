@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import StepRequest
-from engines.errors import NoRoom
+from engines.errors import EngineError, NoRoom
 from kvpool import DataCorrupt, Pool, PoolError
 from superfluid import sampling as sampler
 from superfluid.errors import ContextFull, GenerationTimeout, HostClosed
@@ -116,6 +116,8 @@ class Scheduler:
                 self._drain(block=not self._active())
                 if self._active():
                     self.tick()
+                elif not self._stopping:
+                    self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
         except BaseException as exc:  # the engine or the pool failed: every waiter hears of it
             self.error = exc
             self._fail_all(exc)
@@ -148,7 +150,7 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
-            if refuse:
+            if refuse or self._stopping:  # after close: the engine, log and pool are gone
                 box[:] = ["error", HostClosed("the host closed before this call ran")]
             else:
                 try:
@@ -216,6 +218,8 @@ class Scheduler:
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
+            for live, _ in requests:  # a step split into several forwards may have fed part of it
+                live.kv = self.engine.length(live.seq)
             if self._make_room(exclude={live for live, _ in requests}):
                 return  # the next tick tries again
             if len(requests) > 1:
@@ -255,7 +259,7 @@ class Scheduler:
             self.finish(live, "stop")
         elif job.produced >= job.max_tokens:
             self.finish(live, "length")
-        elif len(state.tokens) >= self.descriptor.context_length:
+        elif self.descriptor.context_length and len(state.tokens) >= self.descriptor.context_length:
             error = None if self.on_context_full == "stop" else ContextFull(
                 f"session {state.id} reached the context length ({self.descriptor.context_length} tokens); trim it "
                 "(Session.trim), fork a shorter one, or start a new session")
@@ -279,11 +283,11 @@ class Scheduler:
         if rest:
             job.generation._put(Piece(rest, -1))
         self.counters.generations += 1
-        if self.after_generation is not None and error is None:
+        if self.after_generation is not None:  # also after an error: the transcript stays whole
             try:
                 self.after_generation(live, job)
             except Exception as exc:  # a template that cannot close the turn: the tokens are kept
-                error = exc
+                error = error or exc
         job.generation.finish_reason = reason
         job.generation._finish(reason, error)
 
@@ -293,9 +297,17 @@ class Scheduler:
         waiting = sorted((live for live in self.sessions.values() if live.job is not None and live.seq is None),
                          key=lambda live: (live.job.priority, live.job.arrival))
         for live in waiting:
+            if self._prefilling_same_prefix(live, self._cached_prefix(live)):
+                continue  # another lane is prefilling this prefix: fork from it when it has
             if not self._free_sequence_for(live):
                 continue
-            self._restore(live)
+            try:
+                self._restore(live)
+            except EngineError as exc:  # this lane cannot start (no room, a refused state): it alone fails
+                if live.seq is not None:
+                    self.engine.free_sequence(live.seq)
+                    live.seq, live.kv = None, 0
+                self.finish(live, "error", exc)
 
     def _free_sequence_for(self, live: Live) -> bool:
         """True when a sequence can be had for `live`: one is free, an idle lane is parked to free
@@ -328,17 +340,17 @@ class Scheduler:
     def park(self, live: Live, *, keep_lane: bool) -> None:
         """Export the lane's KV into the pool (logged as Parked); free its sequence unless `keep_lane`."""
         if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
-            info = None
+            live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
             try:
                 info = self.engine.export(live.seq, self.pool, live.state.tokens[:live.kv], tag=f"session:{live.state.id}")
-            except PoolError:
+            except (PoolError, EngineError):
+                self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
                 info = None
             if info is not None:
                 self.counters.exports += 1
                 self._hold(live, info.id)
                 self.pool.release(info.id)  # cached, not held: see _hold
                 self.log.append(Parked(live.state.id, info.id, live.kv))
-                live.since_park = 0
         if not keep_lane and live.seq is not None:
             self.engine.free_sequence(live.seq)
             live.seq, live.kv = None, 0
@@ -383,22 +395,24 @@ class Scheduler:
         best_fork = max(((self._common(other, tokens, want), other) for other in self.sessions.values()
                          if other is not live and other.seq is not None), key=lambda pair: pair[0], default=(0, None))
         match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
-        waiting_for = self._prefilling_same_prefix(live, max(best_fork[0], match.tokens if match else 0))
-        if waiting_for:
-            return  # another lane is prefilling this prefix: fork from it when it has
         job = live.job
+        live.seq = None
         if best_fork[1] is not None and best_fork[0] >= (match.tokens if match else 0) and best_fork[0] > 0:
             live.seq = self.engine.fork(best_fork[1].seq)
-            if self.engine.length(live.seq) > best_fork[0]:
-                self.engine.truncate(live.seq, best_fork[0])
             live.kv = best_fork[0]
-        else:
+            if self.engine.length(live.seq) > best_fork[0]:
+                try:
+                    self.engine.truncate(live.seq, best_fork[0])
+                except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
+                    self.engine.free_sequence(live.seq)
+                    live.seq = None
+        if live.seq is None:
             live.seq = self.engine.new_sequence()
             live.kv = 0
             if match is not None and match.tokens > 0:
                 live.kv = self._import(live, match.entry_id, match.tokens)
-        self.counters.cached_tokens += live.kv
         if not job.started:
+            self.counters.cached_tokens += live.kv
             job.started = True
             job.generation.prompt_tokens = len(tokens)
             job.generation.cached_tokens = live.kv
@@ -408,13 +422,31 @@ class Scheduler:
         try:
             with self.pool.get(entry, verify=False) as view:
                 restored = self.engine.import_(live.seq, view)
-        except (DataCorrupt, PoolError, NoRoom):
+        except (DataCorrupt, PoolError, EngineError) as exc:  # corrupt, evicted, refused: prefill instead
             self.counters.import_failures += 1
+            if isinstance(exc, DataCorrupt):
+                try:
+                    self.pool.evict(entry)  # nobody should start from it again
+                except PoolError:
+                    pass  # held elsewhere: the pool counts it corrupt, its holders will find out
             return 0
         self.counters.imports += 1
         if restored > keep:
-            self.engine.truncate(live.seq, keep)
+            try:
+                self.engine.truncate(live.seq, keep)
+            except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
+                self.engine.free_sequence(live.seq)
+                live.seq = self.engine.new_sequence()
+                return 0
         return min(restored, keep)
+
+    def _cached_prefix(self, live: Live) -> int:
+        """Tokens of `live`'s prefix that a live lane or the pool holds now."""
+        tokens, want = live.state.tokens, len(live.state.tokens) - 1
+        forks = [self._common(other, tokens, want) for other in self.sessions.values()
+                 if other is not live and other.seq is not None]
+        match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
+        return max([*forks, match.tokens if match else 0])
 
     def _common(self, other: Live, tokens: list[int], limit: int) -> int:
         """Tokens at the start of `tokens` (up to `limit`) whose KV `other`'s sequence holds."""

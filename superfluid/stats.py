@@ -11,13 +11,14 @@ import msgspec
 class Counters:
     """Counts the scheduler keeps (read by `Host.stats()`)."""
 
-    prefill_tokens: int = 0  # tokens fed through a forward that the model had not generated
+    prefill_tokens: int = 0  # tokens fed as prompt (a resumed lane's catch-up included), not decode steps
     decode_tokens: int = 0  # generated tokens fed back
     cached_tokens: int = 0  # tokens a lane started with instead of prefilling (fork, pool, own lane)
     generations: int = 0
     exports: int = 0
     imports: int = 0
     import_failures: int = 0
+    export_failures: int = 0
     preemptions: int = 0
 
 
@@ -31,6 +32,7 @@ class HostStats(msgspec.Struct, frozen=True):
     exports: int
     imports: int
     import_failures: int
+    export_failures: int
     preemptions: int
     bytes_copied: int  # KV bytes copied: pool writes and reads, plus the engine's own copies
     pool_bytes_copied: int

@@ -1,0 +1,60 @@
+"""Regression tests for defects a second review of the host found."""
+
+import pytest
+
+from superfluid import ContextFull, HostClosed
+
+PROMPT = "The capital of France is Paris. The quick brown fox"
+
+
+def test_a_cancelled_generation_frees_the_session_for_the_next_call_at_once(open_host):
+    host = open_host()
+    s = host.session()
+    s.append_text(PROMPT)
+    first = s.generate(max_tokens=100_000)
+    first.cancel()
+    second = s.generate(max_tokens=2)  # no SessionBusy: the cancellation is taken as done
+    assert second.collect() is not None and second.finish_reason == "length"
+    assert first.collect() is not None and first.finish_reason == "cancelled"
+
+
+def test_a_chat_turn_is_closed_even_when_its_generation_fails(open_host):
+    host = open_host()
+    s = host.session(system="Be brief.")
+    s.append_user("Hi")
+    generation = s.generate(max_tokens=100_000, timeout=1e-6)  # out of time before its first token
+    with pytest.raises(TimeoutError):
+        generation.collect()
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
+    s.append_user("Again")
+    assert s.detokenize(s.tokens).endswith("<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n")
+
+
+def test_a_refused_generation_commits_nothing(open_host, runtime):
+    options = {"llamacpp_n_ctx": 64} if runtime == "llamacpp" else {}
+    host = open_host(**options)
+    s = host.session()
+    s.append_user("x " * (host.descriptor.context_length // 2 - 8))
+    s.append_tokens([5] * (host.descriptor.context_length - len(s.tokens) - 2))
+    before = s.tokens
+    with pytest.raises(ContextFull, match="with the assistant's opening"):
+        s.generate()
+    assert s.tokens == before
+
+
+def test_calls_after_close_are_refused(open_host):
+    host = open_host()
+    s = host.session()
+    host.close()
+    with pytest.raises(HostClosed, match="closed"):
+        s.append_text("late")
+    host.close()  # idempotent
+
+
+def test_a_full_pool_is_not_retried_on_every_token(open_host):
+    host = open_host(pool_bytes=96 << 10, checkpoint_tokens=8)  # too small for this session's KV
+    s = host.session()
+    s.append_text(PROMPT * 8)
+    s.complete(max_tokens=40)
+    stats = host.stats()
+    assert stats.export_failures <= 40 // 8 + 2 and stats.exports == 0
