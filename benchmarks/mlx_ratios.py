@@ -174,12 +174,15 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument("--out", type=Path, help="where to write the JSON (default: benchmarks/results/mlx.json)")
     parser.add_argument("--prefill-repeat", type=int, default=1,
                         help="prefill samples per combination (each a process; the shipped case is slow)")
+    parser.add_argument("--skip-prefill", action="store_true",
+                        help="leave out the prefill combinations (minutes each at 2,000 tokens)")
     args = parser.parse_args(argv)
     tokens = 32 if args.quick else args.tokens
     model = args.model or models.default_model(progress=print)
     run = Run("mlx-quick" if args.quick else "mlx")
     run.note("model", Path(model).name)
-    bench_prefill(run, model, tokens, repeat=args.prefill_repeat)
+    if not args.skip_prefill:
+        bench_prefill(run, model, tokens, repeat=args.prefill_repeat)
     bench_state(run, model, tokens, repeat=3 if args.quick else 9)
     return run.finish(args.out)
 
