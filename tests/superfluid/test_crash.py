@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,3 +58,33 @@ def test_without_the_segment_the_log_is_prefilled_again(open_host, runtime, mode
     generation = resumed.generate(max_tokens=2)
     generation.collect()
     assert generation.cached_tokens == 0 and again.stats().prefill_tokens == len(tokens)
+
+
+def test_a_log_damaged_in_the_middle_keeps_the_host_from_starting_and_says_what_to_do(open_host, tmp_path):
+    from superfluid import LogCorrupt
+
+    host = open_host()
+    s = host.session()
+    s.append_text("The capital of France is Paris.")
+    s.complete(max_tokens=4)
+    log_path = host._log.path
+    host.close()
+    data = bytearray(log_path.read_bytes())
+    data[20] ^= 0xFF  # inside the first record
+    log_path.write_bytes(bytes(data))
+    with pytest.raises(LogCorrupt, match="Move the file aside"):
+        open_host()
+    assert log_path.read_bytes() == bytes(data)  # replay guessed nothing and cut nothing
+
+
+def test_a_torn_last_record_is_cut_and_the_host_starts(open_host):
+    host = open_host()
+    s = host.session()
+    s.append_text("The capital of France is Paris.")
+    tokens = s.tokens
+    log_path = host._log.path
+    host.close()
+    with open(log_path, "ab") as handle:
+        handle.write(b"\x40\x00\x00\x00" + b"\x00" * 10)  # a frame whose write was cut short
+    again = open_host()
+    assert again.session(id=s.id).tokens == tokens and again._log.truncated_bytes == 14
