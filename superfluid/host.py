@@ -224,7 +224,7 @@ class Host:
     def _on_append_text(self, session_id, text) -> None:
         self._on_append_tokens(session_id, self._scheduler.engine.tokenize(text, special=True))
 
-    def _on_generate(self, session_id, max_tokens, stop, timeout, overrides) -> Generation:
+    def _on_generate(self, session_id, max_tokens, stop, timeout, overrides, keep_logits=False) -> Generation:
         live = self._live(session_id, idle=True)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r}: must be a whole number >= 1")
@@ -251,7 +251,8 @@ class Host:
         generation._alive = self._scheduler.alive
         deadline = None if timeout is None else time.monotonic() + timeout
         live.job = Job(generation, max_tokens, settings, TextStream(stop), deadline,
-                       PRIORITIES.index(live.state.priority), next(self._scheduler._clock), first=len(tokens))
+                       PRIORITIES.index(live.state.priority), next(self._scheduler._clock), first=len(tokens),
+                       keep_logits=bool(keep_logits))
         if live.seq is not None:
             generation.prompt_tokens, generation.cached_tokens = len(tokens), live.kv
             live.job.started = True

@@ -53,6 +53,7 @@ class Job:
     priority: int
     arrival: int
     first: int = 0  # position of the first token this generation produces
+    keep_logits: bool = False
     produced: int = 0
     prefilled: int = 0  # tokens this generation fed before its output
     started: bool = False  # admitted at least once (prompt counters set)
@@ -248,6 +249,8 @@ class Scheduler:
     def _emit(self, live: Live, logits) -> None:
         """Sample the next token from `logits`, commit it, and hand the piece to the generation."""
         job, state = live.job, live.state
+        if job.keep_logits:
+            job.generation.logits.append(logits.copy())
         position = len(state.tokens)
         token = sampler.sample(logits, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
         self.commit(live, [token])

@@ -61,6 +61,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.tokens: list[int] = []
         self.text = ""
+        self.logits: list = []  # each step's logits, when generate(keep_logits=True) asked for them
         self.prompt_tokens = 0  # tokens the model read before its first output token
         self.cached_tokens = 0  # of those, how many came from cache instead of a prefill
         self._alive = lambda: True
@@ -137,10 +138,11 @@ class Session:
         self._host._call("append_text", self.id, text)
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
-                 **sampling) -> Generation:
+                 keep_logits: bool = False, **sampling) -> Generation:
         """Start generating (SessionBusy if this session already is); iterate the result for pieces.
-        `sampling` overrides the session's defaults for this generation only."""
-        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling)
+        `sampling` overrides the session's defaults for this generation only; `keep_logits`
+        keeps each step's logits (float32, one row per token) in `Generation.logits`."""
+        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling, keep_logits)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  **sampling) -> str:
