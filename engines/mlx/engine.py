@@ -355,6 +355,10 @@ class MlxEngine(Adapter):
         length = self._length(seq)
         if len(tokens) != length:
             raise EngineError(f"sequence {seq} holds {length} positions but {len(tokens)} tokens were given")
+        if self._batched(seq):
+            arrays, plain = self._lane_in_batch(seq)
+            return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost,
+                            engine_values=plain)
         layers = self._own(seq)
         self._mx.eval([caches.buffers(c) for c in layers])
         arrays, plain = [], {}
@@ -365,6 +369,19 @@ class MlxEngine(Adapter):
             plain.update(caches.values(layer, f"{index}."))
         return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost,
                         engine_values=plain)
+
+    def _lane_in_batch(self, seq: int):
+        """The arrays and plain values of a decoding lane, read in place from the batch buffers
+        (exporting it does not take it out of the batch: no lane copies)."""
+        lane = self._batch.members.index(seq)
+        arrays, plain = [], {}
+        for index, layer in enumerate(self._batch.layers):
+            self._mx.eval(layer.keys, layer.values)
+            start, stop = int(layer.left_padding.tolist()[lane]), layer._idx
+            for part, buffer in (("k", layer.keys), ("v", layer.values)):
+                arrays.append(KVArray(f"{index}.{part}", self._alias(buffer)[lane:lane + 1, :, start:stop], 2))
+            plain.update({f"{index}.class": "KVCache", f"{index}.offset": stop - start, f"{index}.empty": 0})
+        return arrays, plain
 
     def import_(self, seq: int, view: EntryView) -> int:
         """Replace `seq`'s caches with a pool entry's: each array copied once, from pool memory into

@@ -159,10 +159,12 @@ def test_sequences_decode_together_with_their_join_and_leave_counted(tiny_mlx, p
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert engine.stats().bytes_copied - before == live  # joined once; the batch then stayed as it was
     assert [engine.length(s) for s in seqs] == [len(p) + 5 for p in prompts]
-    # touching a member takes every lane back out (one copy each), and it goes on as before
+    # an export reads a lane in place; a step of one member alone takes every lane back out
+    # (one copy each), and it goes on as before
     info = engine.export(seqs[1], pool, prompts[1] + [40, 41, 42, 43, 44])
-    assert engine.stats().bytes_copied - before == live + live + 3 * 5 * price
+    assert engine.stats().bytes_copied - before == live
     np.testing.assert_allclose(run(engine, seqs[1], [7]), run(engine, alone[1], [7]), rtol=0, atol=1e-5)
+    assert engine.stats().bytes_copied - before == live + live + 3 * 5 * price
     assert info.tokens == len(prompts[1]) + 5
     # two of them go on together; the third alone
     pair = engine.step([StepRequest(seqs[0], [8]), StepRequest(seqs[2], [8], "none")])
@@ -193,4 +195,23 @@ def test_a_step_past_the_models_positions_is_refused_and_changes_nothing(tiny_mo
     with pytest.raises(NoRoom, match="would reach 2050 positions; the model takes 2048"):
         engine.step([StepRequest(seq, tokens_of(10))])
     assert engine.length(seq) == 2040
+    engine.close()
+
+
+def test_a_decoding_lane_is_exported_from_the_batch_without_leaving_it(tiny_mlx, pool):
+    engine = MlxEngine(tiny_mlx)
+    prompts = [tokens_of(20), tokens_of(9, 1)]
+    seqs = [engine.new_sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        engine.step([StepRequest(seq, prompt, "none")])
+    for i in range(3):
+        engine.step([StepRequest(s, [40 + i]) for s in seqs])
+    copied = engine.stats().bytes_copied
+    info = engine.export(seqs[1], pool, prompts[1] + [40, 41, 42])
+    assert engine._batch is not None and engine.stats().bytes_copied == copied  # still batched, nothing copied
+    assert info.live_bytes == 12 * engine.describe().cell_price
+    other = engine.new_sequence()
+    with pool.get(info.id) as view:
+        engine.import_(other, view)
+    np.testing.assert_allclose(run(engine, other, [7]), run(engine, seqs[1], [7]), rtol=0, atol=1e-5)
     engine.close()
