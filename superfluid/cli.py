@@ -1,5 +1,5 @@
-"""The `superfluid` command: `superfluid runtimes`, `superfluid pool ls | gc | rm` and
-`superfluid demo`. (`superfluid serve` arrives with the server issue.)
+"""The `superfluid` command: `superfluid serve`, `superfluid runtimes`, `superfluid pool ls | gc | rm`
+and `superfluid demo`.
 
 MLX on a Linux CPU needs OpenBLAS loaded before MLX is (engines/mlx/blas.py). The adapter does
 that itself when it is first; when something imported MLX before this command ran (a
@@ -17,6 +17,7 @@ import sys
 from engines import registry
 from engines.mlx import blas
 from kvpool import __main__ as pool_cli
+from superfluid import serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     _reexec_with_openblas(argv)
     parser = argparse.ArgumentParser(prog="superfluid", description="local LLMs in-process, around a shared KV pool")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="an OpenAI-compatible server on loopback (default model: SmolLM2)")
+    serve.add_arguments(serve_parser)
     runtimes = commands.add_parser("runtimes", help="the runtimes superfluid hosts and whether they work here")
     runtimes.add_argument("--json", action="store_true", help="one JSON document instead of text")
     commands.add_parser("pool", help="this user's pool segments: ls | gc | rm NAME", add_help=False)
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "pool":
         return pool_cli.main(rest)
+    if args.command == "serve":
+        return serve.run(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "runtimes":

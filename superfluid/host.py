@@ -120,6 +120,11 @@ class Host:
         """Remove a session (cancelling its generation); its parked KV becomes evictable."""
         self._call("delete", session_id)
 
+    def retire(self, session_id: str) -> None:
+        """Park a session's KV in the pool (cached for any later request with the same prefix),
+        then delete the session: what a server does with a request's session when it is done."""
+        self._call("retire", session_id)
+
     def stats(self) -> HostStats:
         """Counters for tests, benchmarks and the server."""
         return self._call("stats")
@@ -224,7 +229,8 @@ class Host:
     def _on_append_text(self, session_id, text) -> None:
         self._on_append_tokens(session_id, self._scheduler.engine.tokenize(text, special=True))
 
-    def _on_generate(self, session_id, max_tokens, stop, timeout, overrides, keep_logits=False) -> Generation:
+    def _on_generate(self, session_id, max_tokens, stop, timeout, overrides, keep_logits=False,
+                     ignore_eos=False) -> Generation:
         live = self._live(session_id, idle=True)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r}: must be a whole number >= 1")
@@ -252,7 +258,7 @@ class Host:
         deadline = None if timeout is None else time.monotonic() + timeout
         live.job = Job(generation, max_tokens, settings, TextStream(stop), deadline,
                        PRIORITIES.index(live.state.priority), next(self._scheduler._clock), first=len(tokens),
-                       keep_logits=bool(keep_logits))
+                       keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos))
         if live.seq is not None:
             generation.prompt_tokens, generation.cached_tokens = len(tokens), live.kv
             live.job.started = True
@@ -345,6 +351,13 @@ class Host:
                 self.pool.unpin(live.entry)
             except PoolError:
                 pass  # already gone
+
+    def _on_retire(self, session_id) -> None:
+        live = self._live(session_id)
+        if live.job is not None:
+            self._scheduler.finish(live, "cancelled")
+        self._scheduler.park(live, keep_lane=False)
+        self._on_delete(session_id)
 
     def _on_tokens(self, session_id) -> list[int]:
         return list(self._live(session_id).state.tokens)

@@ -54,6 +54,7 @@ class Job:
     arrival: int
     first: int = 0  # position of the first token this generation produces
     keep_logits: bool = False
+    ignore_eos: bool = False
     produced: int = 0
     prefilled: int = 0  # tokens this generation fed before its output
     started: bool = False  # admitted at least once (prompt counters set)
@@ -255,7 +256,7 @@ class Scheduler:
         token = sampler.sample(logits, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
         self.commit(live, [token])
         job.produced += 1
-        end_of_turn = token in self.descriptor.eos_tokens
+        end_of_turn = token in self.descriptor.eos_tokens and not job.ignore_eos
         text = "" if end_of_turn else job.stream.feed(self.engine.detokenize([token]))
         job.generation._put(Piece(text, token))
         if end_of_turn or job.stream.stopped is not None:

@@ -138,11 +138,12 @@ class Session:
         self._host._call("append_text", self.id, text)
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
-                 keep_logits: bool = False, **sampling) -> Generation:
+                 keep_logits: bool = False, ignore_eos: bool = False, **sampling) -> Generation:
         """Start generating (SessionBusy if this session already is); iterate the result for pieces.
         `sampling` overrides the session's defaults for this generation only; `keep_logits`
-        keeps each step's logits (float32, one row per token) in `Generation.logits`."""
-        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling, keep_logits)
+        keeps each step's logits (float32, one row per token) in `Generation.logits`;
+        `ignore_eos` goes on past end-of-turn tokens (for fixed-length runs)."""
+        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling, keep_logits, ignore_eos)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  **sampling) -> str:

@@ -22,11 +22,12 @@ from pathlib import Path
 import xxhash
 
 from engines import identity
-from engines.errors import RuntimeUnavailable
+from engines.errors import ModelLoadError, RuntimeUnavailable
 from engines.llamacpp import library
 from engines.models import cache_dir
 
 CHILD_FLAG = "SUPERFLUID_LLAMACPP_CANARY_CHILD"  # set in the child: it runs the batch in-process
+BAD_MODEL = 3  # the child's exit status when the file itself does not load
 
 
 def build_fingerprint() -> str:
@@ -62,8 +63,10 @@ def ensure(model: Path, command: Sequence[str] | None = None) -> None:
         raise RuntimeUnavailable(f"llama.cpp {library.installed_version()} crashed ({name}) on its first "
                                  f"multi-token batch of {model.name}: this build cannot run here. Rebuild it "
                                  f"portable: {library.INSTALL}")
+    last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    if done.returncode == BAD_MODEL:  # the file, not the build: say so as a load error
+        raise ModelLoadError(last)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeUnavailable(f"llama.cpp failed its first multi-token batch of {model.name}: {last}")
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
@@ -73,8 +76,12 @@ def main(argv: Sequence[str]) -> int:
     """The child: load the model (which runs the multi-token batch and checks its logits)."""
     from engines.llamacpp.engine import LlamaCppEngine
 
-    with LlamaCppEngine(argv[0], n_ctx=256, n_seq_max=1, threads=1, threads_batch=1):
-        return 0
+    try:
+        with LlamaCppEngine(argv[0], n_ctx=256, n_seq_max=1, threads=1, threads_batch=1):
+            return 0
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
+        return BAD_MODEL
 
 
 if __name__ == "__main__":

@@ -1,0 +1,317 @@
+"""`superfluid serve`: the Host behind a minimal OpenAI-compatible HTTP server on loopback.
+
+One thread per connection (the standard library's ThreadingHTTPServer); each request is a Host
+session, so requests that share a prompt prefix share its KV through the pool, and requests
+decode together in the scheduler's packed steps. A streamed response is server-sent events; a
+client that goes away mid-stream cancels its generation, which frees its lane at once.
+
+    GET  /health                     no auth
+    GET  /metrics                    Prometheus text
+    GET  /v1/models
+    POST /v1/chat/completions        stream or not; usage with prompt_tokens_details.cached_tokens
+    POST /v1/completions
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from superfluid import api
+from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, SessionBusy, SessionNotFound
+from superfluid.host import Host
+
+MAX_BODY = 1 << 20  # bytes of request body
+DEFAULT_MAX_TOKENS = 256
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
+
+
+class Metrics:
+    """Request counters and first-token times for /metrics (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.first_token_seconds: list[float] = []
+
+    def count(self, route: str, status: int) -> None:
+        with self.lock:
+            self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+
+    def first_token(self, seconds: float) -> None:
+        with self.lock:
+            self.first_token_seconds.append(seconds)
+            del self.first_token_seconds[:-1000]
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server around one Host."""
+
+    daemon_threads = True
+
+    def __init__(self, host: Host, address: tuple[str, int], *, api_key: str | None = None,
+                 model_name: str | None = None) -> None:
+        """Serve `host` on `address` ("127.0.0.1", port); port 0 picks a free one."""
+        self.host = host
+        self.api_key = api_key or None
+        self.model_name = model_name or "superfluid"
+        self.metrics = Metrics()
+        self.started = time.time()
+        super().__init__(address, Handler)
+
+    @property
+    def url(self) -> str:
+        """The base URL of the OpenAI API here (…/v1)."""
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One request: auth, route, decode, answer (errors as OpenAI-style bodies)."""
+
+    server: Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the standard library's name
+        pass  # a quiet server: /metrics counts the requests
+
+    # ----------------------------------------------------------------------------- dispatch
+
+    def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        self._dispatch({"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch({"/v1/chat/completions": self._chat, "/v1/completions": self._completions})
+
+    def _dispatch(self, routes: dict) -> None:
+        route = self.path.split("?", 1)[0].rstrip("/") or "/"
+        status = 500
+        try:
+            handler = routes.get(route)
+            if handler is None:
+                raise api.ApiError(404, f"no route {self.command} {route}", kind="not_found_error")
+            if route != "/health":
+                self._authorize()
+            status = handler() or 200
+        except api.ApiError as exc:
+            status = exc.status
+            self._json(exc.status, exc.body())
+        except (SessionBusy, SessionNotFound, ContextFull) as exc:
+            status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
+            self._json(status, api.ApiError(status, str(exc)).body())
+        except HostClosed as exc:
+            status = 503
+            self._json(503, api.ApiError(503, str(exc), kind="server_error").body())
+        except (BrokenPipeError, ConnectionResetError):
+            status = 499  # the client went away
+        except Exception as exc:  # a defect: the client hears of it, the server goes on
+            status = 500
+            self._json(500, api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body())
+        finally:
+            self.server.metrics.count(route, status)
+
+    def _authorize(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        token = given[7:] if given.startswith("Bearer ") else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise api.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                               kind="authentication_error", code="invalid_api_key")
+
+    def _body(self) -> bytes:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise api.ApiError(400, "Content-Length is not a number") from None
+        if length > MAX_BODY:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            raise api.ApiError(413, f"request body of {length} bytes is over the limit of {MAX_BODY}")
+        return self.rfile.read(length)
+
+    # ----------------------------------------------------------------------------- writing
+
+    def _json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _text(self, text: str, content_type: str) -> None:
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _events(self, chunks: Iterator[dict]) -> None:
+        """Server-sent events, one JSON chunk each, then [DONE] (chunked transfer)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for chunk in chunks:
+            self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    # ----------------------------------------------------------------------------- routes
+
+    def _health(self) -> None:
+        self._json(200, {"status": "ok", "model": self.server.model_name, "runtime": self.server.host.runtime})
+
+    def _models(self) -> None:
+        self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
+                                                     "created": int(self.server.started), "owned_by": "superfluid"}]})
+
+    def _metrics(self) -> None:
+        stats, metrics = self.server.host.stats(), self.server.metrics
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP superfluid_{name} {help_text}", f"# TYPE superfluid_{name} {kind}"])
+            lines.extend(f"superfluid_{name}{labels} {value}" for labels, value in samples)
+
+        metric("prefill_tokens_total", "counter", "Prompt tokens fed through the model.", [("", stats.prefill_tokens)])
+        metric("cached_tokens_total", "counter", "Prompt tokens taken from cache instead of prefilled.",
+               [("", stats.cached_tokens)])
+        metric("decode_tokens_total", "counter", "Generated tokens.", [("", stats.decode_tokens)])
+        metric("pool_bytes_used", "gauge", "Bytes the KV pool holds.", [("", stats.pool_bytes_used)])
+        metric("pool_entries", "gauge", "Entries in the KV pool.", [("", stats.pool_entries)])
+        metric("evictions_total", "counter", "Pool entries evicted.", [("", stats.evictions)])
+        metric("preemptions_total", "counter", "Generations preempted by an interactive one.",
+               [("", stats.preemptions)])
+        metric("kv_bytes_copied_total", "counter", "KV bytes copied (pool and engine).", [("", stats.bytes_copied)])
+        metric("generating", "gauge", "Generations running now.", [("", stats.generating)])
+        metric("sessions", "gauge", "Sessions the host keeps.", [("", stats.sessions)])
+        with metrics.lock:
+            requests = sorted(metrics.requests.items())
+            firsts = sorted(metrics.first_token_seconds)
+        metric("requests_total", "counter", "HTTP requests by route and status.",
+               [(f'{{route="{route}",status="{status}"}}', count) for (route, status), count in requests])
+        quantiles = [(q, firsts[min(len(firsts) - 1, int(q * len(firsts)))]) for q in (0.5, 0.9, 0.99)] if firsts else []
+        metric("time_to_first_token_seconds", "summary", "Seconds from request to first token (last 1,000).",
+               [(f'{{quantile="{q}"}}', round(v, 6)) for q, v in quantiles] + [("_count", len(firsts))])
+        self._text("\n".join(lines) + "\n", "text/plain; version=0.0.4")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.server.model_name:
+            raise api.ApiError(404, f"the model `{model}` does not exist here; this server serves "
+                               f"`{self.server.model_name}` (GET /v1/models)", param="model", kind="not_found_error",
+                               code="model_not_found")
+
+    def _chat(self) -> None:
+        request = api.decode(self._body(), api.ChatRequest)
+        self._check_model(request.model)
+        api.refuse_unsupported(request)
+        if not request.messages:
+            raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
+        host = self.server.host
+        session = host.session(**api.sampling_of(request))
+        try:
+            for message in request.messages:
+                role = "system" if message.role == "developer" else message.role
+                host._call("append_message", session.id, role, api.text_of(message))
+            self._generate(session, request, request.max_completion_tokens or request.max_tokens, chat=True)
+        finally:
+            host.retire(session.id)
+
+    def _completions(self) -> None:
+        request = api.decode(self._body(), api.CompletionRequest)
+        self._check_model(request.model)
+        api.refuse_unsupported(request)
+        if not isinstance(request.prompt, str):
+            if len(request.prompt) != 1:
+                raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
+                                   param="prompt")
+            request.prompt = request.prompt[0]
+        host = self.server.host
+        session = host.session(**api.sampling_of(request))
+        try:
+            session.append_text(request.prompt)
+            self._generate(session, request, request.max_tokens, chat=False)
+        finally:
+            host.retire(session.id)
+
+    def _generate(self, session, request, max_tokens: int | None, *, chat: bool) -> None:
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+        started = time.perf_counter()
+        generation = session.generate(max_tokens=max_tokens, stop=api.stops_of(request), ignore_eos=request.ignore_eos)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        base = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.server.model_name}
+        if request.stream:
+            self._stream(generation, base, chat, request, started)
+            return
+        try:
+            pieces = list(generation)
+        except GenerationTimeout:
+            pieces = []
+        if generation.tokens:
+            self.server.metrics.first_token(time.perf_counter() - started)  # (approximate for a whole reply)
+        text = "".join(p.text for p in pieces)
+        reason = FINISH.get(generation.finish_reason or "stop", "stop")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                   "logprobs": None} if chat else
+                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        self._json(200, {**base, "choices": [choice], "usage": _usage(generation)})
+
+    def _stream(self, generation, base: dict, chat: bool, request, started: float) -> None:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunks() -> Iterator[dict]:
+            first = True
+            if chat:
+                yield {**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                             "finish_reason": None}]}
+            for piece in generation:
+                if first:
+                    self.server.metrics.first_token(time.perf_counter() - started)
+                    first = False
+                if not piece.text:
+                    continue
+                delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+                yield {**base, "object": kind, "choices": [{"index": 0, **delta, "finish_reason": None}]}
+            reason = FINISH.get(generation.finish_reason or "stop", "stop")
+            last = {"delta": {}} if chat else {"text": ""}
+            yield {**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]}
+            if include_usage:
+                yield {**base, "object": kind, "choices": [], "usage": _usage(generation)}
+
+        try:
+            self._events(chunks())
+        except (BrokenPipeError, ConnectionResetError):
+            generation.cancel()  # the client went away: free its lane now
+            raise
+
+
+def _usage(generation) -> dict:
+    completion = len(generation.tokens)
+    return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": generation.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}
+
+
+def model_name_of(path: str | Path) -> str:
+    """The id /v1/models shows for a model file or directory: its name without the suffix."""
+    path = Path(path)
+    return path.stem if path.is_file() else path.name
+

@@ -1,0 +1,227 @@
+"""`superfluid serve` on a tiny model, driven with the official openai client (and raw HTTP
+where a client would not send what is tested)."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import openai
+import pytest
+
+from tests.conftest import remove_segment, unique_pool_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Served:
+    """A `superfluid serve` child process; stopped with SIGTERM and its pool removed."""
+
+    def __init__(self, model, tmp_path, *extra: str) -> None:
+        self.pool = unique_pool_name()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
+             "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"), "--llamacpp-threads", "2",
+             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={k: v for k, v in os.environ.items() if k != "SUPERFLUID_API_KEY"})
+        line = self.process.stdout.readline()
+        assert " on http://" in line, f"the server did not start: {line!r} {self.process.stderr.read()[-2000:]}"
+        self.url = line.split(" on ")[1].strip()
+        self.model = line.split("serving ")[1].split(" ")[0]
+        address = urlparse(self.url)
+        self.address = (address.hostname, address.port)
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        connection = http.client.HTTPConnection(*self.address, timeout=60)
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response.status, data
+
+    def metric(self, name: str) -> float:
+        _, text = self.raw("GET", "/metrics")
+        for line in text.decode().splitlines():
+            if line.startswith(f"superfluid_{name} "):
+                return float(line.split()[1])
+        raise AssertionError(f"no metric {name}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        remove_segment(self.pool)
+        return code
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    server = Served(tiny_models["f32"].gguf, tmp_path_factory.mktemp("served"))
+    yield server
+    assert server.stop() == 0
+
+
+def chat(client, model, **kwargs):
+    kwargs.setdefault("messages", [{"role": "user", "content": "What is the capital of France?"}])
+    kwargs.setdefault("max_tokens", 6)
+    return client.chat.completions.create(model=model, **kwargs)
+
+
+def test_models_and_health(served):
+    assert [m.id for m in served.client().models.list().data] == [served.model] == ["tiny-f32"]
+    status, body = served.raw("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_chat_reports_usage_and_the_cached_prompt_tokens_of_a_repeat(served):
+    client = served.client()
+    first = chat(client, served.model, seed=1)
+    assert first.choices[0].finish_reason in ("stop", "length") and first.usage.completion_tokens >= 1
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    again = chat(client, served.model, seed=1)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_a_streamed_chat_matches_the_whole_one_and_ends_with_usage(served):
+    client = served.client()
+    whole = chat(client, served.model, max_tokens=8)
+    chunks = list(chat(client, served.model, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_completions_streamed_and_not(served):
+    client = served.client()
+    whole = client.completions.create(model=served.model, prompt="The capital of France is", max_tokens=6)
+    streamed = client.completions.create(model=served.model, prompt="The capital of France is", max_tokens=6,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
+
+
+def test_a_stop_string_ends_the_reply_before_it(served):
+    client = served.client()
+    text = client.completions.create(model=served.model, prompt="Once", max_tokens=30, seed=3,
+                                     temperature=0.8).choices[0].text
+    at = next(k for k in range(3, len(text) - 3) if text.find(text[k:k + 3]) == k and "\ufffd" not in text[k:k + 3])
+    cut = client.completions.create(model=served.model, prompt="Once", max_tokens=30, seed=3, temperature=0.8,
+                                    stop=[text[at:at + 3]])
+    assert cut.choices[0].text == text[:at] and cut.choices[0].finish_reason == "stop"
+
+
+def test_several_clients_at_once(served):
+    client = served.client()
+    results, errors = [], []
+
+    def ask(i):
+        try:
+            results.append(chat(client, served.model, messages=[{"role": "user", "content": f"Question {i}?"}]))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 6
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_lane(served):
+    body = json.dumps({"model": served.model, "prompt": "Go on", "max_tokens": 100_000, "stream": True,
+                       "ignore_eos": True}).encode()
+    connection = http.client.HTTPConnection(*served.address, timeout=60)
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.fp.readline()  # streaming now
+    assert served.metric("generating") == 1
+    connection.sock.close()
+    connection.close()
+    deadline = time.time() + 20
+    while served.metric("generating") and time.time() < deadline:
+        time.sleep(0.1)
+    assert served.metric("generating") == 0
+
+
+@pytest.mark.parametrize("body, status, names", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"model": "M", "messages": "hello"}', 400, "messages"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', 400, "max_tokens"),
+    (b'{"model": "M", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": -1}', 400, "temperature"),
+    (b'{"model": "M", "messages": []}', 400, "messages"),
+    (b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}', 404, "does not exist"),
+])
+def test_bad_requests_get_an_openai_style_error_naming_the_problem(served, body, status, names):
+    got, data = served.raw("POST", "/v1/chat/completions", body.replace(b'"M"', f'"{served.model}"'.encode()))
+    error = json.loads(data)["error"]
+    assert got == status and names in (error["message"] + str(error["param"]))
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("response_format", {"type": "json_object"}), ("logprobs", True),
+                                          ("n", 2)])
+def test_fields_that_cannot_be_honoured_are_refused(served, field, value):
+    with pytest.raises(openai.BadRequestError, match=f"`{field}`"):
+        chat(served.client(), served.model, **{field: value})
+
+
+def test_fields_that_change_nothing_are_accepted(served):
+    reply = chat(served.client(), served.model, user="me", metadata={"a": "b"}, store=False, max_tokens=2)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_a_body_over_the_limit_is_refused(served):
+    status, data = served.raw("POST", "/v1/chat/completions", b"x" * ((1 << 20) + 1))
+    assert status == 413 and "over the limit" in json.loads(data)["error"]["message"]
+    assert served.raw("GET", "/health")[0] == 200  # and the server goes on
+
+
+def test_with_an_api_key_every_route_but_health_needs_it(tiny_models, tmp_path):
+    server = Served(tiny_models["f32"].gguf, tmp_path, "--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").models.list()
+        assert server.raw("GET", "/metrics")[0] == 401
+        assert server.raw("GET", "/health")[0] == 200
+        assert [m.id for m in server.client("s3cret").models.list().data] == [server.model]
+    finally:
+        assert server.stop() == 0
+
+
+def serve_exit(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "superfluid", "serve", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_exit_codes(tiny_models, tmp_path):
+    model = str(tiny_models["f32"].gguf)
+    done = serve_exit(model, "--port", "nope")
+    assert done.returncode == 2 and "invalid int value" in done.stderr
+    done = serve_exit(model, "--mlx-prefill-chunk", "8")
+    assert done.returncode == 2 and "is an option of the mlx runtime" in done.stderr
+    done = serve_exit(model, "--llamacpp-n-ctx", "many")
+    assert done.returncode == 2 and "n_ctx" in done.stderr
+    done = serve_exit(str(tmp_path / "missing.gguf"))
+    assert done.returncode == 3 and "no model at" in done.stderr
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    done = serve_exit(str(broken), "--pool-name", unique_pool_name(), "--log-dir", str(tmp_path / "log"))
+    assert done.returncode == 3 and "failed to load" in done.stderr
+    done = serve_exit(model, "--pool-bytes", str(1 << 50))
+    assert done.returncode == 3 and "GiB of memory available" in done.stderr
+    (tmp_path / "not-a-model").mkdir()
+    done = serve_exit(str(tmp_path / "not-a-model"))
+    assert done.returncode == 4 and "no runtime loads" in done.stderr
