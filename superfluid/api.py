@@ -159,3 +159,33 @@ def text_of(message: Message) -> str:
                            param="messages")
         texts.append(part["text"])
     return "".join(texts)
+
+
+class SessionCreate(msgspec.Struct):
+    """POST /v1/sessions: a session that lives until deleted (and across restarts)."""
+
+    system: str | None = None
+    messages: list[Message] = []
+    priority: Literal["interactive", "default", "background"] = "default"
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+class SessionMessages(msgspec.Struct):
+    """POST /v1/sessions/{id}/messages."""
+
+    messages: list[Message]
+
+
+class SessionGenerate(msgspec.Struct):
+    """POST /v1/sessions/{id}/generate: the assistant's next turn."""
+
+    max_tokens: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False

@@ -84,13 +84,22 @@ class Handler(BaseHTTPRequestHandler):
     # ----------------------------------------------------------------------------- dispatch
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
-        self._dispatch({"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models})
+        self._dispatch({"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models,
+                        "/v1/sessions": self._session_list, "/v1/sessions/*": self._session_info})
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch({"/v1/chat/completions": self._chat, "/v1/completions": self._completions})
+        self._dispatch({"/v1/chat/completions": self._chat, "/v1/completions": self._completions,
+                        "/v1/sessions": self._session_create, "/v1/sessions/*/messages": self._session_messages,
+                        "/v1/sessions/*/generate": self._session_generate, "/v1/sessions/*/fork": self._session_fork})
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch({"/v1/sessions/*": self._session_delete})
 
     def _dispatch(self, routes: dict) -> None:
-        route = self.path.split("?", 1)[0].rstrip("/") or "/"
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        parts = path.split("/")
+        self.session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
+        route = "/".join(parts[:3] + ["*"] + parts[4:]) if self.session_id is not None else path
         status = 500
         try:
             handler = routes.get(route)
@@ -248,12 +257,63 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             host.retire(session.id)
 
-    def _generate(self, session, request, max_tokens: int | None, *, chat: bool) -> None:
+    # ----------------------------------------------------------------------------- session routes
+
+    def _session_json(self, status: int, session_id: str) -> None:
+        info = self.server.host.session(id=session_id).info()
+        self._json(status, {"id": info.id, "object": "session", "tokens": info.tokens, "messages": info.messages,
+                            "priority": info.priority, "created": int(info.created), "parent": info.parent,
+                            "generating": info.generating})
+
+    def _append(self, session, messages: list) -> None:
+        for message in messages:
+            role = "system" if message.role == "developer" else message.role
+            self.server.host._call("append_message", session.id, role, api.text_of(message))
+
+    def _session_create(self) -> int:
+        request = api.decode(self._body(), api.SessionCreate)
+        session = self.server.host.session(system=request.system, priority=request.priority,
+                                           **api.sampling_of(request))
+        self._append(session, request.messages)
+        self._session_json(201, session.id)
+        return 201
+
+    def _session_list(self) -> None:
+        self._json(200, {"object": "list", "data": [{"id": i.id, "object": "session", "tokens": i.tokens,
+                                                     "messages": i.messages, "parent": i.parent}
+                                                    for i in self.server.host.sessions()]})
+
+    def _session_info(self) -> None:
+        self._session_json(200, self.session_id)
+
+    def _session_messages(self) -> None:
+        request = api.decode(self._body(), api.SessionMessages)
+        self._append(self.server.host.session(id=self.session_id), request.messages)
+        self._session_json(200, self.session_id)
+
+    def _session_generate(self) -> None:
+        request = api.decode(self._body(), api.SessionGenerate)
+        self._generate(self.server.host.session(id=self.session_id), request, request.max_tokens, chat=True,
+                       overrides=api.sampling_of(request))
+
+    def _session_fork(self) -> int:
+        child = self.server.host.session(id=self.session_id).fork()
+        self._session_json(201, child.id)
+        return 201
+
+    def _session_delete(self) -> None:
+        self.server.host.delete(self.session_id)
+        self._json(200, {"id": self.session_id, "object": "session", "deleted": True})
+
+    # ----------------------------------------------------------------------------- generating
+
+    def _generate(self, session, request, max_tokens: int | None, *, chat: bool, overrides: dict | None = None) -> None:
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
         started = time.perf_counter()
-        generation = session.generate(max_tokens=max_tokens, stop=api.stops_of(request), ignore_eos=request.ignore_eos)
+        generation = session.generate(max_tokens=max_tokens, stop=api.stops_of(request), ignore_eos=request.ignore_eos,
+                                      **(overrides or {}))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.server.model_name}

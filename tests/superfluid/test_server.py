@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 class Served:
     """A `superfluid serve` child process; stopped with SIGTERM and its pool removed."""
 
-    def __init__(self, model, tmp_path, *extra: str) -> None:
-        self.pool = unique_pool_name()
+    def __init__(self, model, tmp_path, *extra: str, pool: str | None = None) -> None:
+        self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
         self.process = subprocess.Popen(
             [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
              "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"), "--llamacpp-threads", "2",
@@ -225,3 +225,65 @@ def test_exit_codes(tiny_models, tmp_path):
     (tmp_path / "not-a-model").mkdir()
     done = serve_exit(str(tmp_path / "not-a-model"))
     assert done.returncode == 4 and "no runtime loads" in done.stderr
+
+
+def post(server, path, payload=None, method="POST"):
+    status, data = server.raw(method, path, json.dumps(payload or {}).encode())
+    return status, json.loads(data)
+
+
+def test_session_routes_create_append_generate_fork_delete(served):
+    status, created = post(served, "/v1/sessions", {"system": "Be brief.", "seed": 4})
+    assert status == 201 and created["messages"] == 1
+    sid = created["id"]
+    status, after = post(served, f"/v1/sessions/{sid}/messages",
+                         {"messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert status == 200 and after["messages"] == 2 and after["tokens"] > created["tokens"]
+    status, reply = post(served, f"/v1/sessions/{sid}/generate", {"max_tokens": 5})
+    assert status == 200 and reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
+    status, child = post(served, f"/v1/sessions/{sid}/fork")
+    assert status == 201 and child["parent"] == sid and child["tokens"] == post(served, f"/v1/sessions/{sid}",
+                                                                                 method="GET")[1]["tokens"]
+    status, second = post(served, f"/v1/sessions/{child['id']}/generate", {"max_tokens": 3})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fork started from the parent's KV
+    listed = {s["id"] for s in post(served, "/v1/sessions", method="GET")[1]["data"]}
+    assert {sid, child["id"]} <= listed
+    assert post(served, f"/v1/sessions/{child['id']}", method="DELETE") == (200, {"id": child["id"], "object": "session",
+                                                                                 "deleted": True})
+    status, missing = post(served, f"/v1/sessions/{child['id']}/generate", {"max_tokens": 3})
+    assert status == 404 and "no session" in missing["error"]["message"]
+
+
+def test_a_streamed_session_turn(served):
+    _, created = post(served, "/v1/sessions", {"messages": [{"role": "user", "content": "Hello"}]})
+    connection = http.client.HTTPConnection(*served.address, timeout=60)
+    connection.request("POST", f"/v1/sessions/{created['id']}/generate",
+                       body=json.dumps({"max_tokens": 4, "stream": True}).encode(),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    connection.close()
+    assert response.status == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_conversation_resumes_after_the_server_is_killed_and_restarted(tiny_models, tmp_path):
+    pool = unique_pool_name()
+    server = Served(tiny_models["f32"].gguf, tmp_path, pool=pool)
+    try:
+        _, created = post(server, "/v1/sessions", {"messages": [{"role": "user", "content": "Hello there"}]})
+        post(server, f"/v1/sessions/{created['id']}/generate", {"max_tokens": 4})
+        tokens = post(server, f"/v1/sessions/{created['id']}", method="GET")[1]["tokens"]
+        server.process.kill()  # SIGKILL: no chance to park or sync anything more
+        server.process.wait()
+        again = Served(tiny_models["f32"].gguf, tmp_path, pool=pool)
+        try:
+            info = post(again, f"/v1/sessions/{created['id']}", method="GET")[1]
+            assert info["tokens"] == tokens and info["messages"] == 2
+            post(again, f"/v1/sessions/{created['id']}/messages", {"messages": [{"role": "user", "content": "More"}]})
+            status, reply = post(again, f"/v1/sessions/{created['id']}/generate", {"max_tokens": 3})
+            assert status == 200 and reply["usage"]["prompt_tokens"] > tokens
+        finally:
+            assert again.stop() == 0
+    finally:
+        remove_segment(pool)
