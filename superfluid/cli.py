@@ -1,5 +1,6 @@
-"""The `superfluid` command: `superfluid serve`, `superfluid runtimes`, `superfluid pool ls | gc | rm`
-and `superfluid demo`.
+"""The `superfluid` command: `serve`, `runtimes`, `runtime options|versions|install`, `compat`,
+`pool ls | gc | rm` and `demo`. Exit codes: 0 normal, 1 runtime failure, 2 usage error, 3 the
+model failed to load, 4 the runtime cannot run here.
 
 MLX on a Linux CPU needs OpenBLAS loaded before MLX is (engines/mlx/blas.py). The adapter does
 that itself when it is first; when something imported MLX before this command ran (a
@@ -17,6 +18,7 @@ import sys
 from engines import registry
 from engines.mlx import blas
 from kvpool import __main__ as pool_cli
+from superfluid import runtimes as runtime_commands
 from superfluid import serve
 
 
@@ -30,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_arguments(serve_parser)
     runtimes = commands.add_parser("runtimes", help="the runtimes superfluid hosts and whether they work here")
     runtimes.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    runtime_parser = commands.add_parser("runtime", help="one runtime: options | versions | install")
+    runtime_commands.add_arguments(runtime_parser)
+    compat = commands.add_parser("compat", help="what this release was built and tested against")
+    compat.add_argument("--json", action="store_true")
     commands.add_parser("pool", help="this user's pool segments: ls | gc | rm NAME", add_help=False)
     commands.add_parser("demo", help="a tour of the shared-memory KV pool")
     args, rest = parser.parse_known_args(argv)
@@ -41,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "runtimes":
         return _runtimes(args.json)
+    if args.command == "runtime":
+        return runtime_commands.run(args)
+    if args.command == "compat":
+        return runtime_commands.compat(args.json)
     return pool_cli.main(["demo"])
 
 

@@ -45,3 +45,30 @@ def test_the_command_reexecutes_itself_with_openblas_when_mlx_was_imported_first
 def test_usage_errors_exit_2():
     done = superfluid("runtimes", "--bogus")
     assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
+
+
+def test_runtime_options_versions_and_compat():
+    done = superfluid("runtime", "options", "llamacpp", "--json")
+    options = {o["name"]: o for o in json.loads(done.stdout)}
+    assert done.returncode == 0 and options["n_ctx"]["default"] == 4096 and "cache_type_k" in options
+    text = superfluid("runtime", "options", "mlx").stdout
+    assert "--mlx-prefill-chunk (int, default 512)" in text
+    versions = json.loads(superfluid("runtime", "versions", "mlx", "--json").stdout)
+    assert versions["tested"] == ["0.32.2", "0.31.3"] and versions["installed"] == importlib.metadata.version("mlx-lm")
+    report = json.loads(superfluid("compat", "--json").stdout)
+    assert report["runtimes"]["llamacpp"]["build"]["CMAKE_ARGS"] == "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
+    assert report["runtimes"]["llamacpp"]["installed"] == importlib.metadata.version("llama-cpp-python")
+
+
+def test_runtime_install_takes_tested_versions_with_portable_flags_and_refuses_others():
+    refused = superfluid("runtime", "install", "llamacpp", "--version", "0.3.2")
+    assert refused.returncode == 2 and "was not tested by this release" in refused.stderr and "--untested" in refused.stderr
+    planned = superfluid("runtime", "install", "llamacpp", "--dry-run")
+    assert planned.returncode == 0
+    assert "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF'" in planned.stdout and "llama-cpp-python==0.3.36" in planned.stdout
+    untested = superfluid("runtime", "install", "llamacpp", "--version", "0.3.2", "--untested", "--dry-run")
+    assert untested.returncode == 0 and "llama-cpp-python==0.3.2" in untested.stdout
+    installed = superfluid("runtime", "install", "llamacpp")  # already there: pip has nothing to build
+    assert installed.returncode == 0, installed.stderr
+    unknown = superfluid("runtime", "versions", "nope")
+    assert unknown.returncode == 2 and "unknown runtime 'nope'" in unknown.stderr
