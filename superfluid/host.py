@@ -22,7 +22,7 @@ from typing import Any
 
 from engines import registry
 from engines.errors import EngineError
-from kvpool import EntryNotFound, Pool, PoolError, PoolNotFound, segment
+from kvpool import Budget, EntryNotFound, Pool, PoolError, PoolNotFound, segment
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
 from superfluid.errors import ContextFull, PinLimit, SessionBusy, SessionNotFound, SuperfluidError
@@ -49,7 +49,8 @@ class Host:
                  pool_bytes: int = DEFAULT_POOL_BYTES, log_dir: str | os.PathLike | None = None,
                  log_sync: str = "tick", prefill_budget: int = 512, checkpoint_tokens: int = 256,
                  publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
-                 low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, **runtime_options: Any) -> None:
+                 low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
+                 **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
         pool `pool_name`, replay the session log in `log_dir`. Runtime options are passed as
         `<runtime>_<option>=value` (for example llamacpp_threads=2, mlx_prefill_chunk=256)."""
@@ -82,7 +83,8 @@ class Host:
             try:
                 self.pool = Pool.attach(pool_name)
             except PoolNotFound:
-                self.pool = Pool.create(pool_name, pool_bytes, device=self.descriptor.device)
+                budget = None if export_budget is None else Budget(int(export_budget), None, "set by export_budget")
+                self.pool = Pool.create(pool_name, pool_bytes, device=self.descriptor.device, budget=budget)
         except BaseException:  # no pool (busy, full /dev/shm, ...): nothing may stay open
             self._scheduler.stop()
             self._scheduler.thread.join()

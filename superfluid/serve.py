@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require Authorization: Bearer KEY on every route but /health (or $SUPERFLUID_API_KEY)")
     parser.add_argument("--pool-name", default="superfluid", help="the shared-memory KV pool's name")
     parser.add_argument("--pool-bytes", type=int, default=DEFAULT_POOL_BYTES, help="its size, taken up front")
+    parser.add_argument("--export-budget", type=int, help="bytes of KV the pool may hold (default: computed from "
+                        "the pool's size and the memory available)")
     parser.add_argument("--log-dir", type=Path, help="the session log's directory")
     parser.add_argument("--model-name", help="the id /v1/models shows (default: the file's name)")
 
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         options = runtime_options(runtime, rest)
         check_memory(model, args.pool_bytes)
         host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
-                    log_dir=args.log_dir, **{f"{runtime}_{k}": v for k, v in options.items()})
+                    log_dir=args.log_dir, export_budget=args.export_budget,
+                    **{f"{runtime}_{k}": v for k, v in options.items()})
     except UsageError as exc:
         print(f"superfluid serve: {exc}", file=sys.stderr)
         return EXIT_USAGE

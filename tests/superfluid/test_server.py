@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -222,6 +223,12 @@ def test_exit_codes(tiny_models, tmp_path):
     assert done.returncode == 3 and "failed to load" in done.stderr
     done = serve_exit(model, "--pool-bytes", str(1 << 50))
     assert done.returncode == 3 and "GiB of memory available" in done.stderr
+    with socket.socket() as taken:  # a port another process holds: the server cannot listen (exit 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = serve_exit(model, "--port", str(taken.getsockname()[1]), "--pool-name", unique_pool_name(),
+                          "--log-dir", str(tmp_path / "log-busy"))
+        assert done.returncode == 1 and "cannot listen" in done.stderr
     (tmp_path / "not-a-model").mkdir()
     done = serve_exit(str(tmp_path / "not-a-model"))
     assert done.returncode == 4 and "no runtime loads" in done.stderr
@@ -287,3 +294,12 @@ def test_a_conversation_resumes_after_the_server_is_killed_and_restarted(tiny_mo
             assert again.stop() == 0
     finally:
         remove_segment(pool)
+
+
+def test_offline_with_no_cached_default_model_says_what_to_do(tmp_path):
+    environment = {**os.environ, "SUPERFLUID_CACHE": str(tmp_path / "empty-cache"),
+                   "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "", "PIP_FIND_LINKS": "",
+                   "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    done = subprocess.run([sys.executable, "-m", "superfluid", "serve"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=environment)
+    assert done.returncode == 3 and "could not fetch the default model" in done.stderr
