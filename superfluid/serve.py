@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     def stop(signum, frame) -> None:  # SIGTERM/SIGINT: no new requests, lanes parked, log synced
         if not stopping.is_set():
             stopping.set()
-            threading.Thread(target=server.shutdown, daemon=True).start()
+            threading.Thread(target=server.stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
-        server.server_close()
-        host.close()
+        host.close()  # ends running generations (their streams finish), parks lanes, syncs the log
+        server.server_close()  # joins the request threads
     print("superfluid: stopped", flush=True)
     return EXIT_OK

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import socket
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Sessio
 from superfluid.host import Host
 
 MAX_BODY = 1 << 20  # bytes of request body
+DRAIN_LIMIT = 16 << 20  # an oversized body up to this is read away before the 413; a larger one is cut off
 DEFAULT_MAX_TOKENS = 256
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
 
@@ -51,9 +53,12 @@ class Metrics:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server around one Host."""
+    """The HTTP server around one Host. `stop()` ends it gracefully: no new requests, idle
+    keep-alive connections closed, running generations ended by the host's close (their streams
+    finish with [DONE]), and every request thread joined."""
 
-    daemon_threads = True
+    daemon_threads = False  # server_close() joins them: a stream in flight is finished, not cut
+    block_on_close = True
 
     def __init__(self, host: Host, address: tuple[str, int], *, api_key: str | None = None,
                  model_name: str | None = None) -> None:
@@ -63,7 +68,30 @@ class Server(ThreadingHTTPServer):
         self.model_name = model_name or "superfluid"
         self.metrics = Metrics()
         self.started = time.time()
+        self.stopping = False
+        self._connections: dict = {}  # socket -> idle (waiting for a request on a kept-alive connection)
+        self._connections_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def mark(self, connection, idle: bool | None) -> None:
+        """Track a connection as idle or busy (None: gone)."""
+        with self._connections_lock:
+            if idle is None:
+                self._connections.pop(connection, None)
+            else:
+                self._connections[connection] = idle
+
+    def stop(self) -> None:
+        """Stop accepting, then close the connections that wait idle for their next request."""
+        self.stopping = True
+        self.shutdown()
+        with self._connections_lock:
+            idle = [connection for connection, waiting in self._connections.items() if waiting]
+        for connection in idle:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
 
     @property
     def url(self) -> str:
@@ -80,6 +108,24 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the standard library's name
         pass  # a quiet server: /metrics counts the requests
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.mark(self.connection, idle=True)
+
+    def finish(self) -> None:
+        self.server.mark(self.connection, idle=None)
+        super().finish()
+
+    def parse_request(self) -> bool:
+        self.server.mark(self.connection, idle=False)  # a request line arrived: busy until answered
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()
+        if self.server.stopping:
+            self.close_connection = True  # no next request on this connection
+        self.server.mark(self.connection, idle=True)
 
     # ----------------------------------------------------------------------------- dispatch
 
@@ -141,8 +187,13 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise api.ApiError(400, "Content-Length is not a number") from None
         if length > MAX_BODY:
-            self.close_connection = True  # the unread body must not be taken for the next request
-            raise api.ApiError(413, f"request body of {length} bytes is over the limit of {MAX_BODY}")
+            if length <= DRAIN_LIMIT:  # read it away, so the client sees the answer rather than a reset
+                for _ in range(0, length, 1 << 16):
+                    self.rfile.read(min(1 << 16, length))
+                    length -= 1 << 16
+            self.close_connection = True  # whatever is unread must not be taken for the next request
+            raise api.ApiError(413, f"request body of {self.headers.get('Content-Length')} bytes is over the limit of "
+                               f"{MAX_BODY}")
         return self.rfile.read(length)
 
     # ----------------------------------------------------------------------------- writing

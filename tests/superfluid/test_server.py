@@ -303,3 +303,33 @@ def test_offline_with_no_cached_default_model_says_what_to_do(tmp_path):
     done = subprocess.run([sys.executable, "-m", "superfluid", "serve"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=environment)
     assert done.returncode == 3 and "could not fetch the default model" in done.stderr
+
+
+def test_sigterm_mid_stream_parks_the_lane_and_a_restart_resumes_it_warm(tiny_models, tmp_path):
+    pool = unique_pool_name()
+    server = Served(tiny_models["f32"].gguf, tmp_path, pool=pool)
+    try:
+        _, created = post(server, "/v1/sessions", {"messages": [{"role": "user", "content": "Tell me more"}]})
+        connection = http.client.HTTPConnection(*server.address, timeout=60)
+        connection.request("POST", f"/v1/sessions/{created['id']}/generate",
+                           body=json.dumps({"max_tokens": 100_000, "stream": True, "ignore_eos": True}).encode(),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        for _ in range(6):
+            response.readline()  # tokens are flowing
+        server.process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()  # the stream ends (the generation is closed), not cut
+        connection.close()
+        assert server.process.wait(timeout=60) == 0 and rest.rstrip().endswith("data: [DONE]")
+        again = Served(tiny_models["f32"].gguf, tmp_path, pool=pool)
+        try:
+            info = post(again, f"/v1/sessions/{created['id']}", method="GET")[1]
+            assert info["tokens"] > created["tokens"] + 2  # what it generated before the stop was kept
+            post(again, f"/v1/sessions/{created['id']}/messages", {"messages": [{"role": "user", "content": "Go"}]})
+            _, reply = post(again, f"/v1/sessions/{created['id']}/generate", {"max_tokens": 2})
+            # parked at the stop: all but the last sampled token and the turn's closing marks (not fed yet)
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= info["tokens"] - 5
+        finally:
+            assert again.stop() == 0
+    finally:
+        remove_segment(pool)
