@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from engines import registry
-from engines.errors import EngineError
-from kvpool import Budget, EntryNotFound, Pool, PoolError, PoolNotFound, segment
+from engines.errors import EngineError, ModelLoadError
+from kvpool import Budget, EntryNotFound, Pool, PoolError, PoolNotFound, host_memory_available, segment
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
 from superfluid.errors import ContextFull, PinLimit, SessionBusy, SessionNotFound, SuperfluidError
@@ -83,6 +83,11 @@ class Host:
             try:
                 self.pool = Pool.attach(pool_name)
             except PoolNotFound:
+                left = host_memory_available()  # with the weights and the engine's KV cache loaded now
+                if pool_bytes > left:
+                    raise ModelLoadError(f"the KV pool ({pool_bytes / 2**30:.2f} GiB) does not fit in the "
+                                         f"{left / 2**30:.2f} GiB of memory left once the model and its KV cache "
+                                         "are loaded; give a smaller pool_bytes (--pool-bytes) or a smaller context")
                 budget = None if export_budget is None else Budget(int(export_budget), None, "set by export_budget")
                 self.pool = Pool.create(pool_name, pool_bytes, device=self.descriptor.device, budget=budget)
         except BaseException:  # no pool (busy, full /dev/shm, ...): nothing may stay open

@@ -28,7 +28,8 @@ class Served:
         self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
         self.process = subprocess.Popen(
             [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
-             "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"), "--llamacpp-threads", "2",
+             "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"),
+             *([] if Path(model).is_dir() else ["--llamacpp-threads", "2"]),
              *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={k: v for k, v in os.environ.items() if k != "SUPERFLUID_API_KEY"})
         line = self.process.stdout.readline()
@@ -333,3 +334,14 @@ def test_sigterm_mid_stream_parks_the_lane_and_a_restart_resumes_it_warm(tiny_mo
             assert again.stop() == 0
     finally:
         remove_segment(pool)
+
+
+def test_an_mlx_model_directory_is_served_by_mlx(tiny_mlx, tmp_path):
+    server = Served(tiny_mlx, tmp_path, "--mlx-prefill-chunk", "64")
+    try:
+        status, health = server.raw("GET", "/health")
+        assert json.loads(health)["runtime"] == "mlx"
+        reply = chat(server.client(), server.model, max_tokens=3)
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        assert server.stop() == 0
