@@ -89,6 +89,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         check_memory(model, args.pool_bytes)
         host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
                     log_dir=args.log_dir, export_budget=args.export_budget,
+                    on_context_full="stop",  # a reply that reaches the context ends with finish_reason "length"
                     **{f"{runtime}_{k}": v for k, v in options.items()})
     except UsageError as exc:
         print(f"superfluid serve: {exc}", file=sys.stderr)

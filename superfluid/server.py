@@ -372,12 +372,13 @@ class Handler(BaseHTTPRequestHandler):
             self._stream(generation, base, chat, request, started)
             return
         try:
-            pieces = list(generation)
+            for _ in generation:
+                pass
         except GenerationTimeout:
-            pieces = []
+            pass  # what it produced is answered, with finish_reason "length"
         if generation.tokens:
             self.server.metrics.first_token(time.perf_counter() - started)  # (approximate for a whole reply)
-        text = "".join(p.text for p in pieces)
+        text = generation.text
         reason = FINISH.get(generation.finish_reason or "stop", "stop")
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                    "logprobs": None} if chat else

@@ -345,3 +345,16 @@ def test_an_mlx_model_directory_is_served_by_mlx(tiny_mlx, tmp_path):
         assert reply.usage.completion_tokens >= 1
     finally:
         assert server.stop() == 0
+
+
+def test_a_reply_that_reaches_the_context_ends_with_length(tiny_models, tmp_path):
+    server = Served(tiny_models["f32"].gguf, tmp_path, "--llamacpp-n-ctx", "64", "--llamacpp-n-seq-max", "1")
+    try:
+        reply = server.client().completions.create(model=server.model, prompt="x " * 20, max_tokens=10_000,
+                                                   extra_body={"ignore_eos": True})
+        assert reply.choices[0].finish_reason == "length" and reply.usage.total_tokens <= 256
+        streamed = list(server.client().completions.create(model=server.model, prompt="x " * 20, max_tokens=10_000,
+                                                           stream=True, extra_body={"ignore_eos": True}))
+        assert streamed[-1].choices[0].finish_reason == "length"
+    finally:
+        assert server.stop() == 0
