@@ -454,13 +454,7 @@ class Scheduler:
 
     def _common(self, other: Live, tokens: list[int], limit: int) -> int:
         """Tokens at the start of `tokens` (up to `limit`) whose KV `other`'s sequence holds."""
-        held = other.state.tokens[:min(other.kv, limit)]
-        common = 0
-        for a, b in zip(held, tokens):
-            if a != b:
-                break
-            common += 1
-        return common
+        return self._common_tokens(other.state.tokens[:other.kv], tokens, limit)
 
     def _prefilling_same_prefix(self, live: Live, available: int) -> bool:
         """True when a lane being prefilled will soon hold more of `live`'s prefix than is
