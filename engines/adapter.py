@@ -54,6 +54,10 @@ class Adapter:
     def close(self) -> None:
         """Free what the engine holds (each adapter says what)."""
 
+    def release_thread(self) -> None:
+        """Free what the runtime keeps for the calling thread; a host calls it last on the thread
+        that owned the engine, after close(), when that thread ends."""
+
     def __enter__(self):
         return self
 

@@ -110,3 +110,6 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the model and its context."""
+
+    def release_thread(self) -> None:
+        """Free what the runtime keeps for the calling thread (the owner's last call)."""

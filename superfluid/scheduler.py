@@ -126,6 +126,7 @@ class Scheduler:
         finally:
             self._drain(block=False, refuse=True)
             self.engine.close()  # idempotent; after a clean close this does nothing
+            self.engine.release_thread()  # this thread ends: what the runtime keeps for it goes too
 
     def alive(self) -> bool:
         """True while the thread runs."""

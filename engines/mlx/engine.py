@@ -444,6 +444,12 @@ class MlxEngine(Adapter):
 
     # ----------------------------------------------------------------------------- lifetime
 
+    def release_thread(self) -> None:
+        """Destroy the MLX streams this thread created: MLX used from a thread other than the
+        main one otherwise aborts the process at exit now and then ("terminate called without
+        an active exception"; MLX asks for clear_streams at the end of such threads)."""
+        self._mx.clear_streams()
+
     def close(self) -> None:
         """Drop every sequence and restore MLX's cache limit if this engine changed it."""
         self._sequences.clear()

@@ -17,5 +17,5 @@ host = Host(model, runtime=runtime, pool_name=pool, pool_bytes=64 << 20, log_dir
 session = host.session(temperature=0.8, seed=3)
 session.append_text("The capital of France is Paris. The quick brown fox")
 print(f"session {session.id} {len(session.tokens)}", flush=True)
-for piece in session.generate(max_tokens=100_000):
+for piece in session.generate(max_tokens=100_000, ignore_eos=True):  # runs until it is killed
     print(f"token {piece.token}", flush=True)
