@@ -64,6 +64,7 @@ class EntryRecord:
 
     @property
     def id(self) -> int:
+        """The entry's id."""
         return self.header.serial
 
     @property
@@ -73,6 +74,7 @@ class EntryRecord:
 
     @property
     def live_bytes(self) -> int:
+        """Bytes of the live cells (what a copy of the entry moves)."""
         return layouts.live_nbytes(self.layout, self.header.live)
 
     @property
@@ -81,6 +83,7 @@ class EntryRecord:
         return layouts.live_nbytes(self.layout, self.header.capacity) - self.live_bytes
 
     def info(self) -> EntryInfo:
+        """A snapshot of the entry for callers."""
         h = self.header
         return EntryInfo(h.serial, h.identity, h.live, h.capacity, self.stored_bytes, self.live_bytes,
                          self.slack_bytes, self.refcount, self.pins + self.views, h.tag, h.recompute_cost)

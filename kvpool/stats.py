@@ -35,6 +35,7 @@ class Counters:
     corrupt_found: int = 0  # entries whose bytes failed their checksum while being moved
 
     def as_dict(self) -> dict[str, int]:
+        """The counters by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

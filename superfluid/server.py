@@ -43,10 +43,12 @@ class Metrics:
         self.first_token_seconds: list[float] = []
 
     def count(self, route: str, status: int) -> None:
+        """Count one answered request."""
         with self.lock:
             self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
 
     def first_token(self, seconds: float) -> None:
+        """Record a request's time to first token (the last 1,000 are kept)."""
         with self.lock:
             self.first_token_seconds.append(seconds)
             del self.first_token_seconds[:-1000]
@@ -107,21 +109,25 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the standard library's name
-        pass  # a quiet server: /metrics counts the requests
+        """Log nothing: a quiet server (/metrics counts the requests)."""
 
     def setup(self) -> None:
+        """A new connection: idle until its first request line arrives."""
         super().setup()
         self.server.mark(self.connection, idle=True)
 
     def finish(self) -> None:
+        """The connection is done: stop tracking it."""
         self.server.mark(self.connection, idle=None)
         super().finish()
 
     def parse_request(self) -> bool:
+        """A request line arrived: the connection is busy until it is answered."""
         self.server.mark(self.connection, idle=False)  # a request line arrived: busy until answered
         return super().parse_request()
 
     def handle_one_request(self) -> None:
+        """Answer one request; once the server is stopping, no next one on this connection."""
         super().handle_one_request()
         if self.server.stopping:
             self.close_connection = True  # no next request on this connection
@@ -130,15 +136,18 @@ class Handler(BaseHTTPRequestHandler):
     # ----------------------------------------------------------------------------- dispatch
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        """GET routes."""
         self._dispatch({"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models,
                         "/v1/sessions": self._session_list, "/v1/sessions/*": self._session_info})
 
     def do_POST(self) -> None:  # noqa: N802
+        """POST routes."""
         self._dispatch({"/v1/chat/completions": self._chat, "/v1/completions": self._completions,
                         "/v1/sessions": self._session_create, "/v1/sessions/*/messages": self._session_messages,
                         "/v1/sessions/*/generate": self._session_generate, "/v1/sessions/*/fork": self._session_fork})
 
     def do_DELETE(self) -> None:  # noqa: N802
+        """DELETE routes."""
         self._dispatch({"/v1/sessions/*": self._session_delete})
 
     def _dispatch(self, routes: dict) -> None:

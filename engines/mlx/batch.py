@@ -27,6 +27,7 @@ class Copies:
         self.arrays = 0
 
     def add(self, nbytes: int, arrays: int) -> None:
+        """Count one more copy of `nbytes` bytes in `arrays` arrays."""
         self.bytes += nbytes
         self.arrays += arrays
 
