@@ -39,20 +39,30 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Generation(msgspec.Struct):
-    """What both completion endpoints share."""
+class _Sampled(msgspec.Struct, kw_only=True):
+    """Sampling settings a request may give."""
 
-    model: str
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+
+
+class _Streamed(_Sampled, kw_only=True):
+    """What every request that generates takes."""
+
+    max_tokens: int | None = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # llama.cpp server's extension: go on past end-of-turn tokens
+
+
+class _Generation(_Streamed, kw_only=True):
+    """What both completion endpoints share."""
+
+    model: str
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    ignore_eos: bool = False  # llama.cpp server's extension: go on past end-of-turn tokens
     # accepted and ignored: they change nothing here
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -74,14 +84,14 @@ class _Generation(msgspec.Struct):
     suffix: str | None = None
 
 
-class ChatRequest(_Generation):
+class ChatRequest(_Generation, kw_only=True):
     """POST /v1/chat/completions."""
 
     messages: list[Message] = []
     max_completion_tokens: int | None = None
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(_Generation, kw_only=True):
     """POST /v1/completions."""
 
     prompt: Union[str, list[str]] = ""
@@ -123,7 +133,7 @@ def refuse_unsupported(request: _Generation) -> None:
                            "through the Python API)", param=name, code="unsupported_parameter")
 
 
-def sampling_of(request: _Generation) -> dict:
+def sampling_of(request: _Sampled) -> dict:
     """The session sampling settings a request asks for (ApiError 400 naming a bad one)."""
     settings = {}
     if request.temperature is not None:
@@ -140,7 +150,7 @@ def sampling_of(request: _Generation) -> dict:
     return settings
 
 
-def stops_of(request: _Generation) -> list[str]:
+def stops_of(request: _Streamed) -> list[str]:
     """The stop strings (at most 4, as OpenAI allows)."""
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stops) > 4:
@@ -161,15 +171,12 @@ def text_of(message: Message) -> str:
     return "".join(texts)
 
 
-class SessionCreate(msgspec.Struct):
+class SessionCreate(_Sampled, kw_only=True):
     """POST /v1/sessions: a session that lives until deleted (and across restarts)."""
 
     system: str | None = None
     messages: list[Message] = []
     priority: Literal["interactive", "default", "background"] = "default"
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
 
 
 class SessionMessages(msgspec.Struct):
@@ -178,14 +185,5 @@ class SessionMessages(msgspec.Struct):
     messages: list[Message]
 
 
-class SessionGenerate(msgspec.Struct):
+class SessionGenerate(_Streamed, kw_only=True):
     """POST /v1/sessions/{id}/generate: the assistant's next turn."""
-
-    max_tokens: int | None = None
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
