@@ -94,6 +94,12 @@ class Compacting:
                 self._evict(record)
             return freed
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes the entries take, the export budget): what a host checks every tick, without
+        the full statistics snapshot."""
+        with self._lock:
+            return self._bytes_used, self._store.header.budget_bytes
+
     def pinned_bytes(self) -> int:
         """Bytes held by entries pinned with pin() (open views do not count)."""
         with self._lock:

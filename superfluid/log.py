@@ -303,7 +303,9 @@ class SessionLog:
 
     def should_compact(self) -> bool:
         """True when the records written since the last compaction outweigh the live snapshot."""
-        return self._written_since_compaction > max(1 << 20, 2 * self._snapshot_estimate())
+        if self._written_since_compaction <= 1 << 20:
+            return False  # the common case, checked every tick: no walk over the sessions
+        return self._written_since_compaction > 2 * self._snapshot_estimate()
 
     def _snapshot_estimate(self) -> int:
         return sum(16 + 5 * len(s.tokens) + sum(len(m["content"]) for m in s.messages) for s in self.states.values())

@@ -302,12 +302,15 @@ class Scheduler:
         waiting = sorted((live for live in self.sessions.values() if live.job is not None and live.seq is None),
                          key=lambda live: (live.job.priority, live.job.arrival))
         for live in waiting:
-            if self._prefilling_same_prefix(live, self._cached_prefix(live)):
+            source = self._best_source(live)
+            if self._prefilling_same_prefix(live, max(source[0], source[2].tokens if source[2] else 0)):
                 continue  # another lane is prefilling this prefix: fork from it when it has
             if not self._free_sequence_for(live):
                 continue
+            if source[1] is not None and source[1].seq is None:
+                source = self._best_source(live)  # the lane it would fork was parked to make room
             try:
-                self._restore(live)
+                self._restore(live, source)
             except EngineError as exc:  # this lane cannot start (no room, a refused state): it alone fails
                 if live.seq is not None:
                     self.engine.free_sequence(live.seq)
@@ -387,27 +390,33 @@ class Scheduler:
 
     def relieve_pressure(self) -> int:
         """Past the high watermark, evict cached entries nobody holds down to the low one."""
-        stats = self.pool.stats()
-        if stats.bytes_used <= self.high_watermark * stats.budget_bytes:
+        used, budget = self.pool.usage()
+        if used <= self.high_watermark * budget:
             return 0
-        return self.pool.shed(int(self.low_watermark * stats.budget_bytes))
+        return self.pool.shed(int(self.low_watermark * budget))
 
-    def _restore(self, live: Live) -> None:
-        """Give `live` a sequence holding the longest cached prefix of its tokens (all but the
-        last, whose logits the next step needs)."""
+    def _best_source(self, live: Live) -> tuple[int, Live | None, object]:
+        """The longest cached prefix of `live`'s tokens (all but the last, whose logits the next
+        step needs): (tokens a live lane holds, that lane, the pool's best match or None)."""
         tokens = live.state.tokens
         want = len(tokens) - 1
-        best_fork = max(((self._common(other, tokens, want), other) for other in self.sessions.values()
-                         if other is not live and other.seq is not None), key=lambda pair: pair[0], default=(0, None))
+        fork = max(((self._common(other, tokens, want), other) for other in self.sessions.values()
+                    if other is not live and other.seq is not None), key=lambda pair: pair[0], default=(0, None))
         match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
+        return fork[0], fork[1], match
+
+    def _restore(self, live: Live, source: tuple[int, Live | None, object]) -> None:
+        """Give `live` a sequence holding the prefix `source` offers: a fork of a live lane when
+        it holds at least as much as the pool, else the pool entry imported (one copy)."""
+        forked, lane, match = source
         job = live.job
         live.seq = None
-        if best_fork[1] is not None and best_fork[0] >= (match.tokens if match else 0) and best_fork[0] > 0:
-            live.seq = self.engine.fork(best_fork[1].seq)
-            live.kv = best_fork[0]
-            if self.engine.length(live.seq) > best_fork[0]:
+        if lane is not None and lane.seq is not None and forked > 0 and forked >= (match.tokens if match else 0):
+            live.seq = self.engine.fork(lane.seq)
+            live.kv = forked
+            if self.engine.length(live.seq) > forked:
                 try:
-                    self.engine.truncate(live.seq, best_fork[0])
+                    self.engine.truncate(live.seq, forked)
                 except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
                     self.engine.free_sequence(live.seq)
                     live.seq = None
@@ -419,7 +428,7 @@ class Scheduler:
         if not job.started:
             self.counters.cached_tokens += live.kv
             job.started = True
-            job.generation.prompt_tokens = len(tokens)
+            job.generation.prompt_tokens = len(live.state.tokens)
             job.generation.cached_tokens = live.kv
         live.last_used = next(self._clock)
 
@@ -444,14 +453,6 @@ class Scheduler:
                 live.seq = self.engine.new_sequence()
                 return 0
         return min(restored, keep)
-
-    def _cached_prefix(self, live: Live) -> int:
-        """Tokens of `live`'s prefix that a live lane or the pool holds now."""
-        tokens, want = live.state.tokens, len(live.state.tokens) - 1
-        forks = [self._common(other, tokens, want) for other in self.sessions.values()
-                 if other is not live and other.seq is not None]
-        match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
-        return max([*forks, match.tokens if match else 0])
 
     def _common(self, other: Live, tokens: list[int], limit: int) -> int:
         """Tokens at the start of `tokens` (up to `limit`) whose KV `other`'s sequence holds."""

@@ -299,6 +299,7 @@ def test_shed_evicts_cheapest_first_down_to_a_target_and_spares_held_entries(mak
         pool.release(entry.id)
     pool.pin(pinned.id)
     used = pool.stats().bytes_used
+    assert pool.usage() == (used, pool.stats().budget_bytes)
     assert pool.pinned_bytes() == pinned.stored_bytes
     freed = pool.shed(used - 1)  # one entry's worth is enough
     assert freed == cheap.stored_bytes and {e.id for e in pool.entries()} == {dear.id, held.id, pinned.id}
