@@ -56,7 +56,8 @@ def join(module, members: tuple[int, ...], lanes: Sequence[list], copies: Copies
 
 
 def leave(mx, module, batch: DecodeBatch, copies: Copies) -> dict[int, list]:
-    """Every member's caches, copied out of the batch into step-rounded buffers."""
+    """Every member's caches, copied out of the batch into step-rounded buffers with room for
+    the next token (caches.room_for)."""
     step = caches.step_of(module, "KVCache")
     out: dict[int, list] = {seq: [] for seq in batch.members}
     for layer in batch.layers:
@@ -65,7 +66,7 @@ def leave(mx, module, batch: DecodeBatch, copies: Copies) -> dict[int, list]:
             cache = module.KVCache()
             live = layer._idx - padding[lane]
             if layer.keys is not None and live > 0:
-                capacity = max(step, -(-live // step) * step)
+                capacity = caches.room_for(live, step)
                 keys, values = (_lane_copy(mx, buffer, lane, padding[lane], layer._idx, capacity)
                                 for buffer in (layer.keys, layer.values))
                 cache.keys, cache.values, cache.offset = keys, values, live

@@ -151,13 +151,20 @@ def step_of(module, name: str) -> int:
     return getattr(getattr(module, name), "step", 256)
 
 
+def room_for(cells: int, step: int) -> int:
+    """A growing buffer's capacity for `cells` live cells: the next multiple of `step` strictly
+    above them. A buffer filled exactly would make the very next append grow it, and mlx-lm grows
+    a KVCache by concatenating: a copy of every cell (at 256 tokens, 1,024, 4,096...)."""
+    return (cells // step + 1) * step
+
+
 def capacity_for(module, plain: dict[str, int | str], prefix: str, stored: int) -> int:
     """Cells to allocate along the token axis for a part holding `stored` cells on import: a
-    growing cache gets a step-rounded buffer its next appends fill in place; a ring that has
-    wrapped gets exactly what it held."""
+    growing cache gets a step-rounded buffer its next appends fill in place (room_for); a ring
+    that has wrapped gets exactly what it held."""
     name = plain[f"{prefix}class"]
     step = step_of(module, name)
-    rounded = max(step, -(-stored // step) * step)
+    rounded = room_for(stored, step)
     if name == "RotatingKVCache":
         if int(plain[f"{prefix}offset"]) > stored:  # wrapped: every cell is in use
             return stored

@@ -83,6 +83,23 @@ def test_import_fills_a_step_rounded_buffer_that_grows_in_place(mlx_engine, pool
     assert cache.keys.shape[2] == 256 and cache.offset == len(tokens) + 1  # appended within the buffer
 
 
+def test_an_import_of_a_whole_step_leaves_room_so_the_next_token_copies_nothing(mlx_engine, pool):
+    """256 cells (a full step) come back in a 512-cell buffer: mlx-lm would grow a full buffer at
+    the next append by concatenating, a copy of every cell."""
+    tokens = [int(t) for t in np.random.default_rng(3).integers(5, 290, 256)]
+    seq = mlx_engine.new_sequence()
+    mlx_engine.step([StepRequest(seq, tokens)])
+    info = mlx_engine.export(seq, pool, tokens)
+    other = mlx_engine.new_sequence()
+    with pool.get(info.id, verify=False) as view:
+        mlx_engine.import_(other, view)
+    cache = mlx_engine._sequences[other][0]
+    address = buffer_address(cache.keys)
+    assert cache.keys.shape[2] == 512 and cache.offset == 256
+    mlx_engine.step([StepRequest(other, [5])])
+    assert buffer_address(cache.keys) == address and cache.offset == 257  # written in place
+
+
 def test_price_comes_from_live_cells_not_the_grown_buffer(tmp_path, pool):
     """One layer whose token costs 16 bytes: measured 16, not 4,096 (a 256-token buffer step)."""
     config = tinymodels.TinyConfig(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=4)
@@ -181,6 +198,21 @@ def test_options_and_missing_models(tiny_mlx, tmp_path):
         MlxEngine(tiny_mlx, dequantize="maybe")
     with pytest.raises(ModelLoadError, match="no model at .*mlx-lm model directory"):
         MlxEngine(tmp_path / "nothing-here")
+
+
+def test_a_prefill_leaves_the_buffer_cache_at_most_half_full(tiny_mlx):
+    """Prefill temporaries would fill MLX's cache of freed buffers (1 MiB here) and make later
+    allocations free and fault memory in; the engine empties it past half its limit."""
+    import mlx.core as mx
+
+    engine = MlxEngine(tiny_mlx, cache_limit_mb=1)
+    try:
+        seq = engine.new_sequence()
+        engine.step([StepRequest(seq, [int(t) for t in np.random.default_rng(0).integers(5, 290, 1000)])])
+        assert mx.get_cache_memory() <= (1 << 20) // 2
+        engine.step([StepRequest(seq, [7])])  # decode steps leave it alone
+    finally:
+        engine.close()
 
 
 def test_cache_limit_is_restored_on_close(tiny_mlx):
