@@ -13,7 +13,8 @@ OPTIONS = (
     OptionSpec("max_sequences", "int", 16, "sequences alive at once", minimum=1, maximum=4096),
     OptionSpec("cache_limit_mb", "int", 1024, "MiB of freed buffers MLX keeps for reuse while the engine "
                "lives (an import into a reused buffer skips the page faults of fresh memory, which cost more "
-               "than the copy); 0 = MLX's own (32 MiB on a Linux CPU); restored on close", minimum=0),
+               "than the copy); emptied after a prefill once more than half full of its temporaries; "
+               "0 = MLX's own (32 MiB on a Linux CPU); restored on close", minimum=0),
     OptionSpec("max_kv_size", "int", 0, "keep at most this many tokens of KV per sequence in a rotating "
                "cache (the first 4 always kept); 0 = keep every token", minimum=0),
     OptionSpec("kv_bits", "int", 0, "quantize the KV cache to this many bits (2, 3, 4, 5, 6 or 8); "
