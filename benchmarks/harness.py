@@ -63,6 +63,7 @@ class Ratio:
     low: float
     high: float
     goal: float | None = None
+    group: str | None = None  # the section of a report it belongs to
 
     @property
     def met(self) -> bool | None:
@@ -70,7 +71,7 @@ class Ratio:
 
     def as_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "ours": self.ours,
-                "baseline": self.baseline, "goal": self.goal, "met": self.met}
+                "baseline": self.baseline, "goal": self.goal, "met": self.met, "group": self.group}
 
 
 def machine() -> dict:
@@ -139,11 +140,17 @@ class Run:
         a, b = sorted(self.figures[first].samples), sorted(self.figures[second].samples)
         return self.record(label, [x + y for x, y in zip(a, b)])
 
-    def ratio(self, label: str, *, ours: str, baseline: str, goal: float | None = None) -> Ratio:
-        """baseline / ours over the medians, with the spread from the extremes of both."""
+    def ratio(self, label: str, *, ours: str, baseline: str, goal: float | None = None,
+              group: str | None = None) -> Ratio:
+        """baseline / ours over the medians, with the spread from the extremes of both. For rates
+        (a figure whose unit is not seconds, e.g. tok/s) larger is better, so it is ours / baseline."""
         a, b = self.figures[ours], self.figures[baseline]
+        if a.unit != b.unit:
+            raise ValueError(f"ratio {label!r}: {ours!r} is in {a.unit} but {baseline!r} in {b.unit}")
+        if a.unit != "s":
+            a, b = b, a
         ratio = Ratio(label, ours, baseline, b.median / a.median, min(b.samples) / max(a.samples),
-                      max(b.samples) / min(a.samples), goal)
+                      max(b.samples) / min(a.samples), goal, group)
         self.ratios[label] = ratio
         return ratio
 

@@ -174,7 +174,7 @@ def bench_decode(run: Run, hosts: Hosts, counts: list[int], tokens: int) -> None
     run.note(f"decode tokens/s, {last} sessions / {first} (goal >= 3)", round(speedup, 2))
 
 
-def bench_interactive(run: Run, hosts: Hosts, background: int, repeat: int) -> None:
+def bench_interactive(run: Run, hosts: Hosts, background: int, repeat: int, group: str | None = None) -> None:
     host = hosts.open()
     idle, busy = [], []
     for i in range(repeat):
@@ -199,7 +199,7 @@ def bench_interactive(run: Run, hosts: Hosts, background: int, repeat: int) -> N
     run.record(f"interactive first token, {background} background sessions generating", busy)
     run.ratio("interactive first token: idle / busy (goal: busy <= 2x idle)",
               ours=f"interactive first token, {background} background sessions generating",
-              baseline="interactive first token, idle host", goal=0.5)
+              baseline="interactive first token, idle host", goal=0.5, group=group)
 
 
 def main(argv: list[str] | None = None) -> Path:

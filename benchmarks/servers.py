@@ -1,0 +1,201 @@
+"""`superfluid serve` against llama-cpp-python's own server, both driven with the openai client.
+
+Both serve the same GGUF through llama.cpp on 2 threads, one server at a time (the machine's two
+cores go to whichever runs), each in a child process this module starts and stops:
+
+- a shared-prefix burst: many completion requests at once, each a long shared prefix plus its
+  own question; the prompt tokens each server evaluated (ours from /metrics, theirs counted by
+  benchmarks/llama_server.py) and the time until the last answer;
+- aggregate decode tokens/s with 1, 2, 4 and 8 requests at once.
+
+llama-cpp-python's server runs with its prompt cache on (`--cache true`: a LlamaRAMCache); it
+serves one request at a time, as shipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from benchmarks.harness import Run
+from benchmarks.ttft import text_of
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS, THEIRS = "superfluid serve", "llama-cpp-python server"
+BURST = "shared-prefix burst: ours against llama-cpp-python's server"
+DECODE = "decode: aggregate tokens/s, ours against llama-cpp-python's server"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A server child process on a loopback port; stop() ends it (by its pid) and cleans up."""
+
+    def __init__(self, label: str, argv: list[str], port: int, counts: Callable[["Served"], dict],
+                 cleanup: Callable[[], None] = lambda: None) -> None:
+        self.label, self.port, self._counts, self._cleanup = label, port, counts, cleanup
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{label} exited with {self.process.returncode} before serving: "
+                                   f"{self.log.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/v1/models", timeout=5) as response:
+                    self.model = json.loads(response.read())["data"][0]["id"]
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{label} did not answer on port {port} within 600 s") from None
+                time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
+
+    def counts(self) -> dict:
+        """{"prompt": prompt tokens evaluated, "decode": generated tokens} so far."""
+        return self._counts(self)
+
+    def get(self, path: str) -> bytes:
+        """The body of GET `path`."""
+        with urllib.request.urlopen(f"{self.base}{path}", timeout=60) as response:
+            return response.read()
+
+    def complete(self, prompt: str, max_tokens: int, extra: dict) -> int:
+        """One completion request; the tokens it generated."""
+        reply = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
+                                               temperature=0.0, **extra)
+        return reply.usage.completion_tokens
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 60 s; then remove what it left (pool, log)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        self._cleanup()
+
+
+def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:
+    """`superfluid serve` on `model` through llama.cpp, on a pool and log of its own."""
+    from kvpool import segment
+
+    port, pool = free_port(), f"bench-serve-{os.getpid()}"
+    argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
+            "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads", "2",
+            "--llamacpp-threads-batch", "2", "--llamacpp-n-ctx", str(n_ctx)]
+
+    def counts(served: Served) -> dict:
+        metrics = {}
+        for line in served.get("/metrics").decode().splitlines():
+            if line.startswith("superfluid_") and " " in line:
+                key, value = line.split(" ", 1)
+                metrics[key] = float(value)
+        return {"prompt": metrics["superfluid_prefill_tokens_total"],
+                "decode": metrics["superfluid_decode_tokens_total"]}
+
+    def cleanup() -> None:
+        if pool in segment.list_pool_names():
+            segment.unlink(pool)
+
+    return Served(OURS, argv, port, counts, cleanup)
+
+
+def start_theirs(model: Path, n_ctx: int) -> Served:
+    """llama-cpp-python's server on `model` with its RAM prompt cache (see llama_server.py)."""
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "benchmarks" / "llama_server.py"), "--model", str(model), "--host",
+            "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", "2", "--n_threads_batch", "2",
+            "--cache", "true", "--verbose", "false"]
+
+    def counts(served: Served) -> dict:
+        return json.loads(served.get("/bench/counts"))
+
+    return Served(THEIRS, argv, port, counts)
+
+
+def ignore_eos(served: Served) -> dict:
+    """Request fields that keep generating to max_tokens: ours takes llama.cpp server's
+    `ignore_eos`; llama-cpp-python's server takes none, so it may stop early (counted)."""
+    return {"extra_body": {"ignore_eos": True}} if served.label == OURS else {}
+
+
+def burst(run: Run, served: Served, requests: int, prefix: int, repeat: int, tick: Callable[[str], None]) -> None:
+    """`requests` completions at once on one `prefix`-token prefix, `repeat` times (a new prefix
+    each time); the wall time until the last answer and the prompt tokens evaluated."""
+    seconds, evaluated = [], []
+    for r in range(repeat):
+        shared = text_of(prefix, salt=1000 + r)
+        prompts = [f"{shared} question {i}: what comes next?" for i in range(requests)]
+        before = served.counts()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(requests) as workers:
+            list(workers.map(lambda p: served.complete(p, 16, ignore_eos(served)), prompts))
+        seconds.append(time.perf_counter() - start)
+        evaluated.append(served.counts()["prompt"] - before["prompt"])
+        tick(f"{served.label}: burst {r + 1}/{repeat}")
+    run.record(f"{served.label}: {requests} requests on a {prefix}-token prefix", seconds)
+    run.note(f"{served.label}: prompt tokens evaluated per burst of {requests} on a {prefix}-token prefix",
+             evaluated)
+
+
+def decode(run: Run, served: Served, counts: list[int], tokens: int, repeat: int,
+           tick: Callable[[str], None]) -> None:
+    """Aggregate generated tokens/s with each of `counts` requests at once (short distinct prompts)."""
+    for count in counts:
+        rates = []
+        for r in range(repeat):
+            prompts = [text_of(32, salt=count * 10 + i + 100 * r) for i in range(count)]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(count) as workers:
+                produced = sum(workers.map(lambda p: served.complete(p, tokens, ignore_eos(served)), prompts))
+            rates.append(produced / (time.perf_counter() - start))
+        run.record(f"{served.label}: decode tokens/s, {count} at once", rates, unit="tok/s")
+        tick(f"{served.label}: decode with {count} at once")
+
+
+def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int], tokens: int, repeat: int,
+          tick: Callable[[str], None]) -> None:
+    """Both servers, one after the other, then the ratios."""
+    n_ctx = max(4096, prefix + 512)
+    with tempfile.TemporaryDirectory() as scratch:
+        for start in (lambda: start_ours(model, 2 * n_ctx, scratch), lambda: start_theirs(model, n_ctx)):
+            served = start()
+            try:
+                served.complete(text_of(32, salt=999), 4, ignore_eos(served))  # one-time costs go here
+                burst(run, served, requests, prefix, repeat, tick)
+                decode(run, served, counts, tokens, repeat, tick)
+            finally:
+                served.stop()
+    label = f"{requests} requests on a {prefix}-token prefix"
+    run.ratio(f"shared-prefix burst: theirs / ours (time for {requests} on a {prefix}-token prefix)",
+              ours=f"{OURS}: {label}", baseline=f"{THEIRS}: {label}", group=BURST)
+    for count in counts:
+        run.ratio(f"decode tokens/s, {count} at once: ours / theirs", ours=f"{OURS}: decode tokens/s, {count} at once",
+                  baseline=f"{THEIRS}: decode tokens/s, {count} at once", group=DECODE)
+    first, last = counts[0], counts[-1]
+    run.ratio(f"decode tokens/s: ours at {last} at once / ours at {first}", ours=f"{OURS}: decode tokens/s, {last} at once",
+              baseline=f"{OURS}: decode tokens/s, {first} at once", group=DECODE, goal=3 if last >= 8 else None)

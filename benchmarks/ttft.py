@@ -1,0 +1,91 @@
+"""Warm against cold time to first token, by context length, through a Host.
+
+A conversation's first turn is a user message of about N tokens; its second turn adds a 16-token
+user message. Warm: the second turn's first token, the first turn's KV still on the session's
+lane. Cold: a new session given exactly the tokens of that second turn, on the same host once
+everything cached is gone (the lane freed, the pool emptied), so all of them are prefilled.
+Each engine runs with the settings a Host gives it by default (MLX: its default CPU settings),
+on 2 threads.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.harness import Run
+from superfluid import Host
+
+NAMES = {"llamacpp": "llama.cpp", "mlx": "MLX"}
+WORDS = ("the pool keeps what engines park there within a hard budget and lets state move between sessions "
+         "without copies so a fork a shared prefix or a resumed session costs a count or one memcpy ").split()
+GROUP = "time to first token: warm against cold, by context"
+
+
+def text_of(tokens: int, salt: int = 0) -> str:
+    """About `tokens` tokens of plain text (SmolLM2 reads roughly one token per word here)."""
+    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(tokens))
+
+
+def first_token_seconds(session, **generate) -> float:
+    """Seconds from generate() to its first piece (the generation then runs to its end)."""
+    start = time.perf_counter()
+    generation = session.generate(**generate)
+    next(generation)
+    elapsed = time.perf_counter() - start
+    generation.collect()
+    return elapsed
+
+
+def open_host(runtime: str, model: Path, context: int, scratch: str) -> Host:
+    """A host on a pool of its own, sized for one conversation of `context` tokens."""
+    name = f"bench-ttft-{runtime}-{os.getpid()}"
+    options = {"llamacpp_threads": 2, "llamacpp_threads_batch": 2, "llamacpp_n_ctx": 2 * context + 1024} \
+        if runtime == "llamacpp" else {}
+    return Host(model, runtime=runtime, pool_name=name, pool_bytes=512 << 20, log_dir=Path(scratch) / name, **options)
+
+
+def bench_engine(run: Run, runtime: str, model: Path, contexts: list[int], repeat: Callable[[int], int],
+                 tick: Callable[[str], None]) -> None:
+    """Warm and cold first-token times at each context length, `repeat(context)` samples each."""
+    name = NAMES[runtime]
+    with tempfile.TemporaryDirectory() as scratch:
+        host = open_host(runtime, model, max(contexts), scratch)
+        try:
+            warmup = host.session()  # the first generation of a process pays one-time costs (MLX kernels)
+            warmup.append_user(text_of(32, salt=999))
+            warmup.generate(max_tokens=2, ignore_eos=True).collect()
+            _forget(host, warmup.id)
+            for context in contexts:
+                warm, cold, prompt_tokens = [], [], 0
+                for i in range(repeat(context)):
+                    session = host.session()
+                    session.append_user(text_of(context, salt=i))
+                    session.generate(max_tokens=4, ignore_eos=True).collect()
+                    session.append_user(text_of(16, salt=100 + i))
+                    tokens = session.tokens
+                    prompt_tokens = len(tokens)
+                    warm.append(first_token_seconds(session, max_tokens=2, ignore_eos=True))
+                    _forget(host, session.id)
+                    lone = host.session()
+                    lone.append_tokens(tokens)
+                    cold.append(first_token_seconds(lone, max_tokens=2, ignore_eos=True))
+                    _forget(host, lone.id)
+                    tick(f"{name} first token at {context}")
+                label = f"{name} first token at {context}"
+                run.record(f"{label}, warm", warm)
+                run.record(f"{label}, cold", cold)
+                run.note(f"{name} second-turn prompt tokens at {context}", prompt_tokens)
+                run.ratio(f"{name} cold / warm first token at {context}", ours=f"{label}, warm",
+                          baseline=f"{label}, cold", group=GROUP)
+        finally:
+            host.close(remove_pool=True)
+
+
+def _forget(host: Host, session_id: str) -> None:
+    """Delete a session and evict everything the pool caches, so the next prompt starts cold."""
+    host.delete(session_id)
+    host.pool.shed(0)
