@@ -64,6 +64,7 @@ class Ratio:
     high: float
     goal: float | None = None
     group: str | None = None  # the section of a report it belongs to
+    kind: str = "speed"  # "speed": larger is better; "agreement": two sizes that must be equal (1 is right)
 
     @property
     def met(self) -> bool | None:
@@ -71,7 +72,8 @@ class Ratio:
 
     def as_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "ours": self.ours,
-                "baseline": self.baseline, "goal": self.goal, "met": self.met, "group": self.group}
+                "baseline": self.baseline, "goal": self.goal, "met": self.met, "group": self.group,
+                "kind": self.kind}
 
 
 def machine() -> dict:
@@ -141,16 +143,20 @@ class Run:
         return self.record(label, [x + y for x, y in zip(a, b)])
 
     def ratio(self, label: str, *, ours: str, baseline: str, goal: float | None = None,
-              group: str | None = None) -> Ratio:
-        """baseline / ours over the medians, with the spread from the extremes of both. For rates
-        (a figure whose unit is not seconds, e.g. tok/s) larger is better, so it is ours / baseline."""
+              group: str | None = None, kind: str = "speed") -> Ratio:
+        """A speed ratio (kind "speed"): baseline / ours over the medians for times, ours / baseline
+        for rates (a figure whose unit is not seconds, e.g. tok/s), so above 1 we are faster; or an
+        agreement (kind "agreement"): ours / baseline of two sizes that must be equal. The spread
+        comes from the extremes of both."""
         a, b = self.figures[ours], self.figures[baseline]
         if a.unit != b.unit:
             raise ValueError(f"ratio {label!r}: {ours!r} is in {a.unit} but {baseline!r} in {b.unit}")
-        if a.unit != "s":
+        if kind not in ("speed", "agreement"):
+            raise ValueError(f"ratio {label!r}: kind {kind!r}; use speed or agreement")
+        if a.unit != "s" or kind == "agreement":
             a, b = b, a
         ratio = Ratio(label, ours, baseline, b.median / a.median, min(b.samples) / max(a.samples),
-                      max(b.samples) / min(a.samples), goal, group)
+                      max(b.samples) / min(a.samples), goal, group, kind)
         self.ratios[label] = ratio
         return ratio
 
@@ -173,7 +179,8 @@ class Run:
                          f" {unit:<2} {max(figure.samples) * scale:>9.3f} {unit:<2} {rate}")
         if self.ratios:
             lines.append("")
-            lines.append(f"{'ratio (baseline / ours)':<44} {'median':>8} {'spread':>17} {'goal':>8}")
+            lines.append(f"{'ratio (times: theirs / ours; rates: ours / theirs)':<44} {'median':>8} {'spread':>17} "
+                         f"{'goal':>8}")
             for r in self.ratios.values():
                 goal = "" if r.goal is None else f">= {r.goal:g} {'met' if r.met else 'MISSED'}"
                 lines.append(f"{r.label:<44} {r.value:>8.3f} {r.low:>8.3f}..{r.high:<8.3f} {goal}")

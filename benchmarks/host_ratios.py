@@ -25,18 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import Run  # noqa: E402
+from benchmarks.texts import text_of  # noqa: E402
+from benchmarks.ttft import first_token_seconds  # noqa: E402
 from engines import models  # noqa: E402
 from kvpool import segment  # noqa: E402
 from superfluid import Host  # noqa: E402
 
-WORDS = ("the pool keeps what engines park there within a hard budget and lets state move between sessions "
-         "without copies so a fork a shared prefix or a resumed session costs a count or one memcpy ").split()
 THREADS = {"llamacpp_threads": 2, "llamacpp_threads_batch": 2}
-
-
-def text_of(tokens: int, salt: int = 0) -> str:
-    """About `tokens` tokens of plain text (SmolLM2 takes roughly one token per word here)."""
-    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(tokens))
 
 
 class Hosts:
@@ -60,16 +55,6 @@ class Hosts:
         self.scratch.cleanup()
 
 
-def first_token_seconds(session, **generate) -> float:
-    """Seconds from generate() to its first piece (the generation then runs to its end)."""
-    start = time.perf_counter()
-    generation = session.generate(**generate)
-    next(generation)
-    elapsed = time.perf_counter() - start
-    generation.collect()
-    return elapsed
-
-
 def bench_second_turn(run: Run, hosts: Hosts, first_turn: int, repeat: int) -> None:
     """Per repeat, two conversations on different texts, each alone on its host: one continues
     on its live lane; the other's host restarts in between, so its second turn starts from its
@@ -88,16 +73,16 @@ def bench_second_turn(run: Run, hosts: Hosts, first_turn: int, repeat: int) -> N
             conversations.append((host, s))
         (host, live), (other, restarted) = conversations
         tokens = live.tokens
-        warm.append(first_token_seconds(live, max_tokens=4))
+        warm.append(first_token_seconds(live, max_tokens=4)[0])
         host.close(remove_pool=True)
         other.close()
         again = hosts.open(pool_name=other.pool.name, log_dir=other._log.directory)
-        parked.append(first_token_seconds(again.session(id=restarted.id), max_tokens=4))
+        parked.append(first_token_seconds(again.session(id=restarted.id), max_tokens=4)[0])
         again.close(remove_pool=True)
         stranger = hosts.open()
         lone = stranger.session()
         lone.append_tokens(tokens)
-        cold.append(first_token_seconds(lone, max_tokens=4))
+        cold.append(first_token_seconds(lone, max_tokens=4)[0])
         stranger.close(remove_pool=True)
     label = f"second turn after {first_turn}: first token"
     run.record(f"{label}, warm lane", warm)
@@ -180,7 +165,7 @@ def bench_interactive(run: Run, hosts: Hosts, background: int, repeat: int, grou
     for i in range(repeat):
         s = host.session(priority="interactive")
         s.append_text(text_of(64, salt=i))
-        idle.append(first_token_seconds(s, max_tokens=4))
+        idle.append(first_token_seconds(s, max_tokens=4)[0])
     generations = []
     for i in range(background):
         s = host.session(priority="background")
@@ -191,7 +176,7 @@ def bench_interactive(run: Run, hosts: Hosts, background: int, repeat: int, grou
     for i in range(repeat):
         s = host.session(priority="interactive")
         s.append_text(text_of(64, salt=200 + i))
-        busy.append(first_token_seconds(s, max_tokens=4))
+        busy.append(first_token_seconds(s, max_tokens=4)[0])
     for generation in generations:
         generation.cancel()
         generation.collect()

@@ -4,7 +4,8 @@
     python benchmarks/regression.py NEW.json --against OLD.json --tolerance 0.15
 
 A ratio "moved" when its median changed by more than the tolerance (relative), or when it crossed
-its goal. Noise on these shared machines is ±20 % or so, so the default tolerance is 0.2. Exits 0
+its goal; an agreement ratio (two sizes that must be equal) moved when it drifted from 1 by more
+than half a percent. Noise on these shared machines is ±20 % or so, so the default tolerance is 0.2. Exits 0
 when nothing moved the wrong way, 1 when something got worse, 2 on bad input.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
+AGREEMENT_SLACK = 0.005  # how much further from 1 an agreement ratio may drift before it counts
 
 
 class Movement(NamedTuple):
@@ -31,7 +33,8 @@ class Movement(NamedTuple):
 
 
 def compare(new: dict, old: dict, tolerance: float = 0.2) -> list[Movement]:
-    """Every ratio of either run, with what happened to it (larger ratios are better)."""
+    """Every ratio of either run, with what happened to it: larger speed ratios are better; an
+    agreement ratio (two sizes that must be equal) is better the closer it is to 1."""
     movements = []
     new_ratios, old_ratios = new.get("ratios", {}), old.get("ratios", {})
     for label in sorted(set(new_ratios) | set(old_ratios)):
@@ -46,6 +49,12 @@ def compare(new: dict, old: dict, tolerance: float = 0.2) -> list[Movement]:
         before, after = old_ratios[label]["value"], new_ratios[label]["value"]
         goal = new_ratios[label].get("goal")
         change = after / before - 1 if before else float("inf")
+        if new_ratios[label].get("kind") == "agreement":  # two sizes that must be equal: 1 is right
+            off_before, off_after = abs(before - 1), abs(after - 1)
+            verdict = ("worse" if off_after > off_before + AGREEMENT_SLACK else
+                       "better" if off_after < off_before - AGREEMENT_SLACK else "steady")
+            movements.append(Movement(label, before, after, change, goal, verdict))
+            continue
         lost_goal = goal is not None and before >= goal > after
         won_goal = goal is not None and after >= goal > before
         verdict = ("worse" if lost_goal or change < -tolerance else

@@ -33,7 +33,9 @@ def _quantity(figure: dict) -> str:
     return median if figure["samples"] == 1 else f"{median} ({low} – {high})"
 
 
-def _ratio(value: float) -> str:
+def _ratio(value: float, kind: str = "speed") -> str:
+    if kind == "agreement":
+        return f"{value:.4f}"
     if value >= 100:
         return f"{value:,.0f}×"
     return f"{value:.2f}×" if value < 10 else f"{value:.1f}×"
@@ -61,8 +63,9 @@ def markdown(result: dict, movements: list[Movement] | None = None, image: str |
     figures = result["figures"]
     lines = [f"Run `{result['name']}` on {machine_line(result)}. It took {result['seconds'] / 60:.0f} minutes.", "",
              "Each figure is the median of its samples, with the range in brackets; the ratio is the comparison's "
-             "time over ours (for rates, ours over theirs), so above 1 we are faster. Its range pairs the extremes "
-             "of both sides.", ""]
+             "time over ours (for rates, ours over theirs), so above 1 we are faster; its range pairs the extremes "
+             "of both sides. The memory rows are agreements instead: stored bytes over priced bytes, which must "
+             "be 1.", ""]
     if image:
         lines += [f"![warm and cold first token by context, and the ratios]({image})", ""]
     for group, ratios in groups(result).items():
@@ -70,8 +73,11 @@ def markdown(result: dict, movements: list[Movement] | None = None, image: str |
                   "|---|---|---|---|---|"]
         for label, ratio in ratios:
             goal = "" if ratio.get("goal") is None else f"≥ {ratio['goal']:g}, {'met' if ratio['met'] else '**missed**'}"
+            kind = ratio.get("kind", "speed")
+            spread = "" if ratio["low"] == ratio["high"] else \
+                f" ({_ratio(ratio['low'], kind)} – {_ratio(ratio['high'], kind)})"
             lines.append(f"| {label} | {_quantity(figures[ratio['ours']])} | {_quantity(figures[ratio['baseline']])} | "
-                         f"{_ratio(ratio['value'])} ({_ratio(ratio['low'])} – {_ratio(ratio['high'])}) | {goal} |")
+                         f"{_ratio(ratio['value'], kind)}{spread} | {goal} |")
         lines.append("")
     if result.get("notes"):
         lines += ["### Counts and settings", "", "| what | value |", "|---|---|"]
@@ -95,6 +101,22 @@ def markdown(result: dict, movements: list[Movement] | None = None, image: str |
     return "\n".join(lines)
 
 
+def first_token_curves(result: dict, group: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """engine -> "warm"/"cold" -> [(context, median seconds)], sorted by context, from the ratios
+    of `group` (labelled "<engine> cold / warm first token at <context>")."""
+    figures, curves = result["figures"], {}
+    for label, ratio in result["ratios"].items():
+        if ratio.get("group") != group:
+            continue
+        engine, context = label.split(" cold / warm first token at ")
+        for side, kind in (("ours", "warm"), ("baseline", "cold")):
+            curves.setdefault(engine, {}).setdefault(kind, []).append((int(context), figures[ratio[side]]["median"]))
+    for kinds in curves.values():
+        for points in kinds.values():
+            points.sort()
+    return curves
+
+
 def plot(result: dict, path: Path, first_token_group: str) -> Path:
     """A PNG: warm and cold first-token time by context for each engine (left), every ratio on a
     log scale (right)."""
@@ -103,19 +125,10 @@ def plot(result: dict, path: Path, first_token_group: str) -> Path:
     matplotlib.use("Agg")  # no screen: render to a file
     import matplotlib.pyplot as plt
 
-    figures = result["figures"]
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(15, 7), gridspec_kw={"width_ratios": [1, 1.3]})
-    engines: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for label, ratio in result["ratios"].items():
-        if ratio.get("group") != first_token_group:
-            continue
-        engine, context = label.split(" cold / warm first token at ")
-        for side in ("ours", "baseline"):
-            kind = "warm" if side == "ours" else "cold"
-            engines.setdefault(engine, {}).setdefault(kind, []).append((int(context), figures[ratio[side]]["median"]))
+    engines = first_token_curves(result, first_token_group)
     for engine, kinds in engines.items():
         for kind, points in kinds.items():
-            points.sort()
             curves.plot([p[0] for p in points], [p[1] for p in points], marker="o",
                         linestyle="-" if kind == "warm" else "--", label=f"{engine}, {kind}")
     curves.set_xscale("log", base=2)
@@ -128,15 +141,16 @@ def plot(result: dict, path: Path, first_token_group: str) -> Path:
 
     labels = list(result["ratios"])
     values = [result["ratios"][label]["value"] for label in labels]
-    colours = ["tab:blue" if r.get("goal") is None else "tab:green" if r.get("met") else "tab:red"
-               for r in (result["ratios"][label] for label in labels)]
+    colours = ["tab:gray" if r.get("kind") == "agreement" else "tab:blue" if r.get("goal") is None
+               else "tab:green" if r.get("met") else "tab:red" for r in (result["ratios"][label] for label in labels)]
     positions = range(len(labels))
     bars.barh(positions, values, color=colours)
     bars.set_yticks(list(positions), labels, fontsize=6)
     bars.invert_yaxis()
     bars.set_xscale("log")
     bars.axvline(1, color="black", linewidth=0.8)
-    bars.set_xlabel("ratio (above 1: ours faster); green: goal met, red: goal missed, blue: no goal")
+    bars.set_xlabel("ratio (above 1: ours faster); green: goal met, red: missed, blue: no goal; "
+                    "grey: stored / priced bytes (must be 1)")
     bars.set_title("Every ratio of the run")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

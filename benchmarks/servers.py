@@ -8,8 +8,12 @@ cores go to whichever runs), each in a child process this module starts and stop
   benchmarks/llama_server.py) and the time until the last answer;
 - aggregate decode tokens/s with 1, 2, 4 and 8 requests at once.
 
-llama-cpp-python's server runs with its prompt cache on (`--cache true`: a LlamaRAMCache); it
-serves one request at a time, as shipped.
+llama-cpp-python's server serves one request at a time, as shipped. The burst runs against it
+twice: with its prompt cache on (`--cache true`: a LlamaRAMCache, which saves the whole state after
+every request) and as it starts by default (no cache; it still reuses the prompt prefix left in its
+context). Decode runs against the default, its faster configuration. Every request asks for the
+same number of tokens on both servers (ours: `ignore_eos`; theirs: `min_tokens`), and the tokens
+actually generated are what the rates count.
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from pathlib import Path
 import openai
 
 from benchmarks.harness import Run
-from benchmarks.ttft import text_of
+from benchmarks.texts import text_of
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS, THEIRS = "superfluid serve", "llama-cpp-python server"
+OURS, THEIRS, THEIRS_CACHED = "superfluid serve", "llama-cpp-python server", "llama-cpp-python server + cache"
 BURST = "shared-prefix burst: ours against llama-cpp-python's server"
 DECODE = "decode: aggregate tokens/s, ours against llama-cpp-python's server"
+BURST_TOKENS = 16  # tokens each burst request generates
 
 
 def free_port() -> int:
@@ -54,22 +59,29 @@ class Served:
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.base = f"http://127.0.0.1:{port}"
+        try:
+            self.model = self._wait_until_serving()
+        except BaseException:  # not serving (or interrupted): nothing it started may stay behind
+            self.stop()
+            raise
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
+
+    def _wait_until_serving(self) -> str:
+        """The model id the server lists, once it answers; RuntimeError if it exits or stays
+        silent for 600 s."""
         deadline = time.monotonic() + 600
         while True:
             if self.process.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"{label} exited with {self.process.returncode} before serving: "
+                raise RuntimeError(f"{self.label} exited with {self.process.returncode} before serving: "
                                    f"{self.log.read()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.base}/v1/models", timeout=5) as response:
-                    self.model = json.loads(response.read())["data"][0]["id"]
-                break
+                    return json.loads(response.read())["data"][0]["id"]
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{label} did not answer on port {port} within 600 s") from None
+                    raise RuntimeError(f"{self.label} did not answer on port {self.port} within 600 s") from None
                 time.sleep(0.5)
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
 
     def counts(self) -> dict:
         """{"prompt": prompt tokens evaluated, "decode": generated tokens} so far."""
@@ -80,14 +92,16 @@ class Served:
         with urllib.request.urlopen(f"{self.base}{path}", timeout=60) as response:
             return response.read()
 
-    def complete(self, prompt: str, max_tokens: int, extra: dict) -> int:
-        """One completion request; the tokens it generated."""
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        """One completion request for exactly `max_tokens` tokens (end-of-text ignored); the tokens
+        it generated."""
+        extra = {"ignore_eos": True} if self.label == OURS else {"min_tokens": max_tokens}
         reply = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0.0, **extra)
+                                               temperature=0.0, extra_body=extra)
         return reply.usage.completion_tokens
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 60 s; then remove what it left (pool, log)."""
+        """SIGTERM to its pid, then SIGKILL after 60 s; then remove what it left (pool, log)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -124,75 +138,80 @@ def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:
     return Served(OURS, argv, port, counts, cleanup)
 
 
-def start_theirs(model: Path, n_ctx: int) -> Served:
-    """llama-cpp-python's server on `model` with its RAM prompt cache (see llama_server.py)."""
+def start_theirs(model: Path, n_ctx: int, cache: bool) -> Served:
+    """llama-cpp-python's server on `model`, with its RAM prompt cache or without (its default),
+    counting what it evaluates (see llama_server.py)."""
     port = free_port()
     argv = [sys.executable, str(ROOT / "benchmarks" / "llama_server.py"), "--model", str(model), "--host",
             "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", "2", "--n_threads_batch", "2",
-            "--cache", "true", "--verbose", "false"]
+            "--cache", "true" if cache else "false", "--verbose", "false"]
 
     def counts(served: Served) -> dict:
         return json.loads(served.get("/bench/counts"))
 
-    return Served(THEIRS, argv, port, counts)
-
-
-def ignore_eos(served: Served) -> dict:
-    """Request fields that keep generating to max_tokens: ours takes llama.cpp server's
-    `ignore_eos`; llama-cpp-python's server takes none, so it may stop early (counted)."""
-    return {"extra_body": {"ignore_eos": True}} if served.label == OURS else {}
+    return Served(THEIRS_CACHED if cache else THEIRS, argv, port, counts)
 
 
 def burst(run: Run, served: Served, requests: int, prefix: int, repeat: int, tick: Callable[[str], None]) -> None:
     """`requests` completions at once on one `prefix`-token prefix, `repeat` times (a new prefix
     each time); the wall time until the last answer and the prompt tokens evaluated."""
-    seconds, evaluated = [], []
+    seconds, evaluated, generated = [], [], []
     for r in range(repeat):
         shared = text_of(prefix, salt=1000 + r)
         prompts = [f"{shared} question {i}: what comes next?" for i in range(requests)]
         before = served.counts()
         start = time.perf_counter()
         with ThreadPoolExecutor(requests) as workers:
-            list(workers.map(lambda p: served.complete(p, 16, ignore_eos(served)), prompts))
+            produced = list(workers.map(lambda p: served.complete(p, BURST_TOKENS), prompts))
         seconds.append(time.perf_counter() - start)
-        evaluated.append(served.counts()["prompt"] - before["prompt"])
+        evaluated.append(int(served.counts()["prompt"] - before["prompt"]))
+        generated.append(sum(produced))
         tick(f"{served.label}: burst {r + 1}/{repeat}")
     run.record(f"{served.label}: {requests} requests on a {prefix}-token prefix", seconds)
     run.note(f"{served.label}: prompt tokens evaluated per burst of {requests} on a {prefix}-token prefix",
              evaluated)
+    run.note(f"{served.label}: tokens generated per burst (asked: {requests} x {BURST_TOKENS})", generated)
 
 
 def decode(run: Run, served: Served, counts: list[int], tokens: int, repeat: int,
            tick: Callable[[str], None]) -> None:
-    """Aggregate generated tokens/s with each of `counts` requests at once (short distinct prompts)."""
+    """Aggregate generated tokens/s with each of `counts` requests at once (32-token distinct prompts,
+    `tokens` tokens each)."""
+    generated = 0
     for count in counts:
         rates = []
         for r in range(repeat):
             prompts = [text_of(32, salt=count * 10 + i + 100 * r) for i in range(count)]
             start = time.perf_counter()
             with ThreadPoolExecutor(count) as workers:
-                produced = sum(workers.map(lambda p: served.complete(p, tokens, ignore_eos(served)), prompts))
+                produced = sum(workers.map(lambda p: served.complete(p, tokens), prompts))
             rates.append(produced / (time.perf_counter() - start))
+            generated += produced
         run.record(f"{served.label}: decode tokens/s, {count} at once", rates, unit="tok/s")
         tick(f"{served.label}: decode with {count} at once")
+    run.note(f"{served.label}: tokens generated in the decode runs (asked: {tokens} per request)", generated)
 
 
 def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int], tokens: int, repeat: int,
           tick: Callable[[str], None]) -> None:
-    """Both servers, one after the other, then the ratios."""
+    """The three server runs, one after the other, then the ratios."""
     n_ctx = max(4096, prefix + 512)
     with tempfile.TemporaryDirectory() as scratch:
-        for start in (lambda: start_ours(model, 2 * n_ctx, scratch), lambda: start_theirs(model, n_ctx)):
+        for start, measures_decode in ((lambda: start_ours(model, 2 * n_ctx, scratch), True),
+                                       (lambda: start_theirs(model, n_ctx, cache=True), False),
+                                       (lambda: start_theirs(model, n_ctx, cache=False), True)):
             served = start()
             try:
-                served.complete(text_of(32, salt=999), 4, ignore_eos(served))  # one-time costs go here
+                served.complete(text_of(32, salt=999), 4)  # one-time costs go here
                 burst(run, served, requests, prefix, repeat, tick)
-                decode(run, served, counts, tokens, repeat, tick)
+                if measures_decode:
+                    decode(run, served, counts, tokens, repeat, tick)
             finally:
                 served.stop()
     label = f"{requests} requests on a {prefix}-token prefix"
-    run.ratio(f"shared-prefix burst: theirs / ours (time for {requests} on a {prefix}-token prefix)",
-              ours=f"{OURS}: {label}", baseline=f"{THEIRS}: {label}", group=BURST)
+    for theirs in (THEIRS_CACHED, THEIRS):
+        run.ratio(f"shared-prefix burst: {theirs} / ours (time for {requests} on a {prefix}-token prefix)",
+                  ours=f"{OURS}: {label}", baseline=f"{theirs}: {label}", group=BURST)
     for count in counts:
         run.ratio(f"decode tokens/s, {count} at once: ours / theirs", ours=f"{OURS}: decode tokens/s, {count} at once",
                   baseline=f"{THEIRS}: decode tokens/s, {count} at once", group=DECODE)

@@ -1,6 +1,6 @@
 """Every comparison superfluid is judged on, in one run on this machine, written where readers look.
 
-    .venv/bin/python benchmarks/suite.py            # SmolLM2-135M, the full sizes (about 30 minutes on 2 cores)
+    .venv/bin/python benchmarks/suite.py            # SmolLM2-135M, the full sizes (about 20 minutes on 2 cores)
     .venv/bin/python benchmarks/suite.py --quick    # small sizes, into benchmarks/results/quick/ (a minute or two)
 
 Measured side by side in the same run, each a median with its range and a ratio to its comparison:
@@ -10,8 +10,8 @@ Measured side by side in the same run, each a median with its range and a ratio 
    LRUPromptCache fetch, at 256, 1,024 and 4,096 tokens;
 3. warm against cold time to first token by context, 256 to 4,096 tokens, both engines;
 4. 16 requests on one 1,000-token prefix at once: prompt tokens evaluated and the time until the
-   last answer, `superfluid serve` against llama-cpp-python's server with its cache;
-5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server;
+   last answer, `superfluid serve` against llama-cpp-python's server with its cache and without;
+5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache);
 6. an interactive session's time to first token behind 8 background sessions, against idle;
 7. memory: the pool's bytes per cached token against the price it computed (they must agree).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -69,8 +70,8 @@ class Sizes:
     def steps(self, runtimes: list[str]) -> int:
         """Progress-bar steps the run takes."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
-        per_server = self.burst_repeat + len(self.concurrency)
-        return len(runtimes) * per_engine + 2 * per_server + 1
+        servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
+        return len(runtimes) * per_engine + servers + 1
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
@@ -94,6 +95,16 @@ def last_committed(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def remove_own_pools() -> list[str]:
+    """Unlink every pool this process's benchmarks named (bench-...-<pid>[-n]) that is still there
+    (each part removes its own; this is for a run that was interrupted)."""
+    mine = re.compile(rf"bench-[a-z-]+-{os.getpid()}(-\d+)?")
+    removed = [name for name in segment.list_pool_names() if mine.fullmatch(name)]
+    for name in removed:
+        segment.unlink(name)
+    return removed
 
 
 def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress) -> Run:
@@ -120,9 +131,6 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress)
         host_ratios.bench_interactive(run, hosts, sizes.background, sizes.interactive_repeat, group=INTERACTIVE)
     finally:
         hosts.close()
-        for pool in segment.list_pool_names():
-            if pool.startswith(f"bench-host-{os.getpid()}-"):
-                segment.unlink(pool)
     tick("interactive")
     return run
 
@@ -145,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     out_dir = args.out_dir or (ROOT / "benchmarks" / "results" / "quick" if args.quick else ROOT / "docs")
     model = args.model or models.default_model(progress=print)
-    with tqdm(total=sizes.steps(runtimes), unit="step", dynamic_ncols=True) as progress:
-        run = run_all(sizes, Path(model), runtimes, "bench-quick" if args.quick else "bench", progress)
+    try:
+        with tqdm(total=sizes.steps(runtimes), unit="step", dynamic_ncols=True) as progress:
+            run = run_all(sizes, Path(model), runtimes, "bench-quick" if args.quick else "bench", progress)
+    finally:
+        remove_own_pools()
     result = run.as_dict()
     json_path = out_dir / "benchmarks.json"
     previous = last_committed(json_path)

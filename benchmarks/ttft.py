@@ -17,27 +17,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness import Run
+from benchmarks.texts import text_of
 from superfluid import Host
 
 NAMES = {"llamacpp": "llama.cpp", "mlx": "MLX"}
-WORDS = ("the pool keeps what engines park there within a hard budget and lets state move between sessions "
-         "without copies so a fork a shared prefix or a resumed session costs a count or one memcpy ").split()
 GROUP = "time to first token: warm against cold, by context"
 
 
-def text_of(tokens: int, salt: int = 0) -> str:
-    """About `tokens` tokens of plain text (SmolLM2 reads roughly one token per word here)."""
-    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(tokens))
-
-
-def first_token_seconds(session, **generate) -> float:
-    """Seconds from generate() to its first piece (the generation then runs to its end)."""
+def first_token_seconds(session, **generate) -> tuple[float, int]:
+    """Seconds from generate() to its first piece (the generation then runs to its end), and the
+    prompt tokens it had (with whatever generate added, such as the assistant's opening)."""
     start = time.perf_counter()
     generation = session.generate(**generate)
     next(generation)
     elapsed = time.perf_counter() - start
     generation.collect()
-    return elapsed
+    return elapsed, generation.prompt_tokens
 
 
 def open_host(runtime: str, model: Path, context: int, scratch: str) -> Host:
@@ -60,25 +55,28 @@ def bench_engine(run: Run, runtime: str, model: Path, contexts: list[int], repea
             warmup.generate(max_tokens=2, ignore_eos=True).collect()
             _forget(host, warmup.id)
             for context in contexts:
-                warm, cold, prompt_tokens = [], [], 0
+                warm, cold, prompts = [], [], []
                 for i in range(repeat(context)):
                     session = host.session()
                     session.append_user(text_of(context, salt=i))
                     session.generate(max_tokens=4, ignore_eos=True).collect()
                     session.append_user(text_of(16, salt=100 + i))
-                    tokens = session.tokens
-                    prompt_tokens = len(tokens)
-                    warm.append(first_token_seconds(session, max_tokens=2, ignore_eos=True))
+                    seconds, prompt = first_token_seconds(session, max_tokens=2, ignore_eos=True)
+                    warm.append(seconds)
+                    tokens = session.tokens[:prompt]  # the second turn's prompt, as generate saw it
                     _forget(host, session.id)
                     lone = host.session()
                     lone.append_tokens(tokens)
-                    cold.append(first_token_seconds(lone, max_tokens=2, ignore_eos=True))
+                    seconds, lone_prompt = first_token_seconds(lone, max_tokens=2, ignore_eos=True)
+                    assert lone_prompt == prompt, (lone_prompt, prompt)  # the same tokens, all prefilled
+                    cold.append(seconds)
+                    prompts.append(prompt)
                     _forget(host, lone.id)
                     tick(f"{name} first token at {context}")
                 label = f"{name} first token at {context}"
                 run.record(f"{label}, warm", warm)
                 run.record(f"{label}, cold", cold)
-                run.note(f"{name} second-turn prompt tokens at {context}", prompt_tokens)
+                run.note(f"{name} second-turn prompt tokens at {context}", prompts)
                 run.ratio(f"{name} cold / warm first token at {context}", ours=f"{label}, warm",
                           baseline=f"{label}, cold", group=GROUP)
         finally:

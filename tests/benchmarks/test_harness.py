@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import pool_ratios
 from benchmarks.harness import Run
@@ -26,6 +27,23 @@ def test_run_measures_ratios_and_writes_json(tmp_path):
     assert data["machine"]["cores"] >= 1 and "numpy" in data["machine"]["libraries"]
     assert data["notes"] == {"answer": 42}
     assert "MISSED" in run.table()
+
+
+def test_rates_and_agreements_read_the_right_way_round_and_units_must_match():
+    run = Run("unit")
+    run.record("ours tok/s", [90.0, 100.0, 110.0], unit="tok/s")
+    run.record("theirs tok/s", [45.0, 50.0, 55.0], unit="tok/s")
+    rate = run.ratio("ours / theirs", ours="ours tok/s", baseline="theirs tok/s")
+    assert rate.value == 2.0 and rate.low == 90 / 55 and rate.high == 110 / 45  # more tokens/s: above 1
+    run.record("stored", [1010.0], unit="B/token")
+    run.record("priced", [1000.0], unit="B/token")
+    agreement = run.ratio("stored / priced", ours="stored", baseline="priced", kind="agreement")
+    assert agreement.value == 1.01 and agreement.as_dict()["kind"] == "agreement"
+    run.record("seconds", [1.0])
+    with pytest.raises(ValueError, match="tok/s"):
+        run.ratio("mixed", ours="seconds", baseline="theirs tok/s")
+    with pytest.raises(ValueError, match="kind"):
+        run.ratio("odd", ours="stored", baseline="priced", kind="faster")
 
 
 def test_pool_benchmark_quick_run(tmp_path):

@@ -25,3 +25,14 @@ def test_the_command_exits_1_when_something_got_worse(tmp_path, capsys):
     (tmp_path / "same.json").write_text(json.dumps(run_with(a=(2.1, None))))
     assert regression.main([str(tmp_path / "same.json"), "--against", str(tmp_path / "old.json")]) == 0
     assert regression.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_an_agreement_ratio_is_worse_as_it_drifts_from_one_either_way():
+    def agreements(**values):
+        return {"name": "demo", "ratios": {k: {"value": v, "goal": None, "kind": "agreement"}
+                                           for k, v in values.items()}}
+
+    old = agreements(up=1.0, down=1.0, back=1.2, still=1.001)
+    new = agreements(up=1.25, down=0.75, back=1.0, still=1.002)
+    verdicts = {m.label: m.verdict for m in regression.compare(new, old)}
+    assert verdicts == {"up": "worse", "down": "worse", "back": "better", "still": "steady"}

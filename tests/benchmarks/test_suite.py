@@ -11,6 +11,14 @@ from benchmarks import report, suite
 from benchmarks.regression import compare
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def tokenizer():
+    from llama_cpp import Llama
+
+    from engines import models
+
+    return Llama(str(models.default_model()), vocab_only=True, verbose=False)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -84,6 +92,8 @@ def test_a_page_without_its_markers_is_refused_and_left_alone(tmp_path):
 
 
 def test_the_plot_is_a_png_with_the_first_token_curves(tmp_path):
+    assert report.first_token_curves(_run(), suite.ttft.GROUP) == {
+        "llama.cpp": {"warm": [(256, 0.1), (1024, 0.2)], "cold": [(256, 2.0), (1024, 9.0)]}}
     path = report.plot(_run(), tmp_path / "plot.png", suite.ttft.GROUP)
     assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
 
@@ -105,7 +115,7 @@ def test_a_file_outside_the_checkout_is_read_as_the_last_run(tmp_path):
 @pytest.mark.slow
 def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_path):
     # A previous run in the output folder: the new one is compared with it.
-    previous = {"name": "bench-quick", "ratios": {"llama.cpp re-prefill / restore at 64": {
+    previous = {"name": "bench-quick", "ratios": {"llama.cpp re-prefill time / restore time at 64": {
         "value": 1e9, "low": 1e9, "high": 1e9, "goal": None}}}
     (tmp_path / "benchmarks.json").write_text(json.dumps(previous))
     done = subprocess.run([sys.executable, "benchmarks/suite.py", "--quick", "--out-dir", str(tmp_path)], cwd=ROOT,
@@ -125,10 +135,17 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     for label, ratio in grouped[suite.restore.MEMORY]:
         assert abs(ratio["value"] - 1) <= suite.restore.PRICE_TOLERANCE, label
     notes = result["notes"]
-    ours = notes["superfluid serve: prompt tokens evaluated per burst of 4 on a 128-token prefix"]
-    theirs = notes["llama-cpp-python server: prompt tokens evaluated per burst of 4 on a 128-token prefix"]
-    assert 128 < ours[0] < 2 * 128 and theirs[0] > 128  # the prefix once, then the questions
+    burst = "prompt tokens evaluated per burst of 4 on a 128-token prefix"
+    one_prompt = 128 + len(tokenizer().tokenize(b" question 0: what comes next?", add_bos=False))
+    for server in (suite.servers.OURS, suite.servers.THEIRS, suite.servers.THEIRS_CACHED):
+        evaluated = notes[f"{server}: {burst}"][0]
+        assert one_prompt <= evaluated < 2 * one_prompt, (server, evaluated)  # the prefix once, not four times
+        assert notes[f"{server}: tokens generated per burst (asked: 4 x 16)"] == [64], server
+    for server in (suite.servers.OURS, suite.servers.THEIRS):
+        assert notes[f"{server}: tokens generated in the decode runs (asked: 8 per request)"] == 8 * (1 + 2), server
+    for engine in ("llama.cpp", "MLX"):
+        assert len(notes[f"{engine} second-turn prompt tokens at 128"]) == 1
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == PNG
     page = (tmp_path / "benchmarks.md").read_text()
-    assert "| llama.cpp share / memcpy at 64 |" in page and "![" in page
-    assert "| llama.cpp re-prefill / restore at 64 | 1,000,000,000× |" in page and "| worse |" in page
+    assert "| llama.cpp share speed / memcpy speed at 64 |" in page and "![" in page
+    assert "| llama.cpp re-prefill time / restore time at 64 | 1,000,000,000× |" in page and "| worse |" in page
