@@ -11,7 +11,8 @@ Measured side by side in the same run, each a median with its range and a ratio 
 3. warm against cold time to first token by context, 256 to 4,096 tokens, both engines;
 4. 16 requests on one 1,000-token prefix at once: prompt tokens evaluated and the time until the
    last answer, `superfluid serve` against llama-cpp-python's server with its cache and without;
-5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache);
+5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache)
+   and against llama.cpp's own batched step alone (the bound);
 6. an interactive session's time to first token behind 8 background sessions, against idle;
 7. memory: the pool's bytes per cached token against the price it computed (they must agree).
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import host_ratios, report, restore, servers, ttft  # noqa: E402
+from benchmarks import decode_bound, host_ratios, report, restore, servers, ttft  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.regression import compare  # noqa: E402
 from engines import models  # noqa: E402
@@ -71,7 +72,7 @@ class Sizes:
         """Progress-bar steps the run takes."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
         servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
-        return len(runtimes) * per_engine + servers + 1
+        return len(runtimes) * per_engine + servers + 2  # + the engine's decode bound, + interactive
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
@@ -125,6 +126,8 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress)
     progress.set_description("servers")
     servers.bench(run, model, requests=sizes.burst_requests, prefix=sizes.burst_prefix,
                   counts=list(sizes.concurrency), tokens=sizes.decode_tokens, repeat=sizes.decode_repeat, tick=tick)
+    decode_bound.bench(run, model, list(sizes.concurrency), steps=32, repeat=sizes.decode_repeat, group=servers.DECODE,
+                       ours=lambda count: f"{servers.OURS}: decode tokens/s, {count} at once", tick=tick)
     progress.set_description("interactive")
     hosts = host_ratios.Hosts(model)
     try:

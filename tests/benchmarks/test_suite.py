@@ -145,6 +145,9 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         assert notes[f"{server}: tokens generated in the decode runs (asked: 8 per request)"] == 8 * (1 + 2), server
     for engine in ("llama.cpp", "MLX"):
         assert len(notes[f"{engine} second-turn prompt tokens at 128"]) == 1
+    bound = dict(grouped[suite.servers.DECODE])
+    assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
+    assert "decode tokens/s: the engine alone at 2 at once / at 1" in bound
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == PNG
     page = (tmp_path / "benchmarks.md").read_text()
     assert "| llama.cpp share speed / memcpy speed at 64 |" in page and "![" in page
