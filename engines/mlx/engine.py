@@ -33,7 +33,7 @@ from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, OptionError, RuntimeUnavailable,
                             StateError)
 from engines.mlx import batch as batching
-from engines.mlx import blas, caches, gguf, price, settings
+from engines.mlx import blas, buffer_cache, caches, gguf, price, settings
 from kvpool import Device, EntryInfo, EntryView, KVArray, Pool
 
 RUNTIME = "mlx"
@@ -289,7 +289,8 @@ class MlxEngine(Adapter):
             return self._decode_together(requests)
         results = [self._forward(request) for request in requests]
         if any(len(request.tokens) > 1 for request in requests):
-            self._trim_buffer_cache()  # after _forward's temporaries are freed, so they go too
+            # after _forward's temporaries are freed, so they go too
+            buffer_cache.trim_after_prefill(self._mx, self._values["cache_limit_mb"] << 20)
         return results
 
     def _batched(self, seq: int) -> bool:
@@ -312,16 +313,6 @@ class MlxEngine(Adapter):
             mx.eval(rows, [caches.buffers(c) for c in layers])
             self._lengths[request.seq] += len(part)
         return np.concatenate([np.array(r.astype(mx.float32)) for r in rows]) if rows else None
-
-    def _trim_buffer_cache(self) -> None:
-        """Empty MLX's cache of freed buffers once it is more than half full, after a prefill.
-        A prefill leaves attention-score buffers sized for that prompt alone; a cache full of them
-        makes every later allocation (an import's, a batch's) first free cached memory and then
-        fault in fresh pages: at 4,096 tokens an import took 140 ms instead of 30. Emptying it
-        costs about 0.1 s per GiB, against a prefill of seconds."""
-        limit = self._values["cache_limit_mb"] << 20
-        if limit and self._mx.get_cache_memory() > limit // 2:
-            self._mx.clear_cache()
 
     def _decode_together(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One forward for one token of each sequence, through a batch kept while its members
