@@ -140,8 +140,9 @@ class Scheduler:
         box: list = []
         self._commands.put((name, args, done, box))
         while not done.wait(0.5):
-            if not self.thread.is_alive():
-                raise HostClosed("the host's scheduler stopped before answering")
+            if not self.thread.is_alive() and not done.is_set():  # it ended (failed) as this call came in
+                raise HostClosed("the host's scheduler stopped before answering"
+                                 + (f" (it failed: {self.error!r})" if self.error is not None else ""))
         if box[0] == "error":
             raise box[1]
         return box[1]
