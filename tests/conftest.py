@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 
 import pytest
 from hypothesis import settings
@@ -35,6 +36,27 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.longrepr = f"skipped tests fail in this project (install what is missing): {reason}"
+
+
+def in_threads(work, count: int) -> list:
+    """Run work(0) .. work(count - 1) on `count` threads at once; the results in order. Raises the
+    first exception a thread raised, once all have ended."""
+    results, errors = [None] * count, []
+
+    def run(i):
+        try:
+            results[i] = work(i)
+        except Exception as exc:  # re-raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def unique_pool_name() -> str:

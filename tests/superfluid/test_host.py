@@ -1,11 +1,10 @@
 """Host and Session on both engines (tiny f32 models built at test time, real shared memory)."""
 
-import threading
-
 import pytest
 
 from superfluid import ContextFull, SessionBusy, SessionNotFound
 from superfluid.chat import CHATML, ChatTemplate
+from tests.conftest import in_threads
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
 
@@ -159,22 +158,14 @@ def test_resuming_after_a_clean_restart_prefills_only_what_is_new(open_host):
 
 def test_calls_from_many_threads(open_host):
     host = open_host()
-    results, errors = {}, []
 
     def work(i):
-        try:
-            s = host.session()
-            s.append_text(f"{PROMPT} {i}")
-            results[i] = s.complete(max_tokens=5)
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        s = host.session()
+        s.append_text(f"{PROMPT} {i}")
+        return s.complete(max_tokens=5)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(results) == 6 and len(host.sessions()) == 6
+    results = in_threads(work, 6)
+    assert all(isinstance(r, str) for r in results) and len(host.sessions()) == 6
 
 
 def test_bad_calls_name_the_problem_and_change_nothing(open_host, runtime):

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -16,7 +15,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from tests.conftest import remove_segment, unique_pool_name
+from tests.conftest import in_threads, remove_segment, unique_pool_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,20 +124,9 @@ def test_a_stop_string_ends_the_reply_before_it(served):
 
 def test_several_clients_at_once(served):
     client = served.client()
-    results, errors = [], []
-
-    def ask(i):
-        try:
-            results.append(chat(client, served.model, messages=[{"role": "user", "content": f"Question {i}?"}]))
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(results) == 6
+    results = in_threads(lambda i: chat(client, served.model, messages=[{"role": "user", "content": f"Question {i}?"}]),
+                         6)
+    assert len(results) == 6 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_lane(served):
