@@ -46,6 +46,12 @@ class Descriptor(msgspec.Struct, frozen=True):
     bos_token: int | None
     eos_tokens: tuple[int, ...]
     chat_template: str | None
+    # KV cells the engine holds for every sequence together (0: context_length). llama.cpp: the
+    # unified cache's n_ctx; MLX: the memory its caches may grow into, by the cell price.
+    kv_cells: int = 0
+    # One cache of cells for every sequence (llama.cpp's unified cache): a fork shares its
+    # parent's cells, and every forward reads every used cell, idle sequences' included.
+    unified_cells: bool = False
 
 
 class EngineStats(msgspec.Struct, frozen=True):

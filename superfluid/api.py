@@ -55,6 +55,8 @@ class _Streamed(_Sampled, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # llama.cpp server's extension: go on past end-of-turn tokens
+    # vLLM's and llama-server's scheduling classes: interactive preempts the others
+    priority: Literal["interactive", "default", "background"] | None = None
 
 
 class _Generation(_Streamed, kw_only=True):

@@ -42,3 +42,13 @@ class HostClosed(SuperfluidError):
 
 class GenerationTimeout(SuperfluidError, TimeoutError):
     """A generation ran past its timeout; what it produced so far was kept."""
+
+
+class Overloaded(SuperfluidError):
+    """More generations are waiting for the engine than the host queues (max_waiting), or one
+    waited past max_wait_seconds before it could start; nothing of it was generated. Retry after
+    `retry_after` seconds, or raise the limit."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -1,113 +1,113 @@
 """The scheduler: the one thread that owns an engine, and the ticks it runs.
 
-Every public call reaches it as a command; between commands it runs ticks while any generation
-is active:
+Every public call reaches it as a command (a callable and its arguments, answered through a
+`concurrent.futures.Future`); between commands it runs ticks while any generation is active:
 
     1. run the commands that arrived (appends, new generations, forks, trims, deletes)
-    2. end cancelled and timed-out generations (their lanes are free at once)
-    3. admit waiting generations by priority: give each an engine sequence holding the longest
-       cached prefix (its own parked KV, a pool entry, or a fork of a live lane), waiting for a
-       lane that is prefilling the same prefix rather than prefilling it twice; an interactive
-       arrival with no sequence free preempts the lowest lane, whose KV is parked in the pool
-    4. one packed step: a decode token for every decoding lane, prefill chunks within the tick's
-       token budget (in one forward where the engine mixes them, else decode first)
-    5. sample, commit each token to the session log (written before it is reported), stream it
-    6. checkpoint lanes that committed enough tokens since they were last parked; sync the log
-
-A lane's engine sequence holds the KV of its session's first `kv` tokens; the tokens after that
-(at least the last one: the next forward needs its logits) are fed by the next steps.
+    2. end cancelled and timed-out generations; refuse those that waited past max_wait_seconds
+    3. park idle lanes (the KV manager: past idle_park_seconds, or at once in a unified cache)
+    4. admit waiting generations, most urgent first: by priority class, then the least uncached
+       prompt (aged, so a long prompt cannot starve); each gets a lane holding its longest cached
+       prefix when its cells fit, else it waits (swap makes room where the class allows)
+    5. one packed step: a decode token for every decoding lane (never held back by prefill), then
+       prefill chunks, most urgent first, within the tick's token budget and the free cells; while
+       an interactive lane runs, other classes' prefill waits
+    6. sample, commit each token to the session log (written before it is reported), stream it
+    7. checkpoint lanes that committed enough tokens since they were last parked; sync the log
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engines.base import StepRequest
 from engines.errors import EngineError, NoRoom
-from kvpool import DataCorrupt, Pool, PoolError
+from kvpool import Pool
 from superfluid import sampling as sampler
-from superfluid.errors import ContextFull, GenerationTimeout, HostClosed
-from superfluid.log import Parked, SessionLog, SessionState, Tokens
-from superfluid.session import PRIORITIES, Generation, Piece
+from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
+from superfluid.kv import INTERACTIVE, KVManager, common_prefix
+from superfluid.lane import Job, Live
+from superfluid.log import SessionLog, Tokens
+from superfluid.session import Piece
 from superfluid.stats import Counters
-from superfluid.stream import TextStream
 
 IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
+# Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
+# is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
+AGING = 0.1
+T = TypeVar("T")
 
 
-@dataclass(eq=False)
-class Job:
-    """One generation: what it asked for and where it is."""
+@dataclass(frozen=True)
+class Policy:
+    """How the scheduler spends the engine (see Host for each setting's meaning)."""
 
-    generation: Generation
-    max_tokens: int
-    sampling: sampler.Sampling
-    stream: TextStream
-    deadline: float | None
-    priority: int
-    arrival: int
-    first: int = 0  # position of the first token this generation produces
-    keep_logits: bool = False
-    ignore_eos: bool = False
-    produced: int = 0
-    prefilled: int = 0  # tokens this generation fed before its output
-    started: bool = False  # admitted at least once (prompt counters set)
-
-
-@dataclass(eq=False)
-class Live:
-    """The scheduler's side of a session: its logged state, and its lane in the engine if any."""
-
-    state: SessionState
-    seq: int | None = None
-    kv: int = 0  # state.tokens[:kv] are in the engine sequence
-    entry: int | None = None  # the pool entry holding its parked KV (if not evicted since)
-    job: Job | None = None
-    last_used: int = 0
-    since_park: int = 0  # tokens committed since the last export
-    pinned: bool = False  # its parked KV is pinned in the pool (the pin moves with each new park)
+    prefill_budget: int = 512
+    checkpoint_tokens: int = 256
+    publish_tokens: int = 256
+    on_context_full: str = "error"
+    decode_reserve: int = 64
+    idle_park_seconds: float | None = 5.0
+    max_waiting: int | None = None
+    max_wait_seconds: float | None = None
+    watermarks: tuple[float, float] = (0.9, 0.75)
+    max_pinned_fraction: float = 0.5
 
 
 class Scheduler:
     """Owns one engine on its own thread; everything that touches the engine runs here."""
 
-    def __init__(self, open_engine: Callable[[], Any], pool: Pool, log: SessionLog, counters: Counters, *,
-                 prefill_budget: int, checkpoint_tokens: int, publish_tokens: int, on_context_full: str,
-                 watermarks: tuple[float, float] = (0.9, 0.75)) -> None:
-        self._open_engine = open_engine
-        self.pool, self.log, self.counters = pool, log, counters
-        self.prefill_budget, self.checkpoint_tokens = prefill_budget, checkpoint_tokens
-        self.publish_tokens, self.on_context_full = publish_tokens, on_context_full
-        self.high_watermark, self.low_watermark = watermarks
+    def __init__(self, open_engine: Callable[[], Any], open_pool: Callable[[Any], Pool], log: SessionLog,
+                 counters: Counters, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._open_engine, self._open_pool = open_engine, open_pool
+        self.log, self.counters, self.policy, self.clock = log, counters, policy, clock
         self.sessions: dict[str, Live] = {}
+        self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self._commands: queue.Queue = queue.Queue()
-        self._clock = itertools.count(1)
+        self._order = itertools.count(1)
         self._stopping = False
         self.error: BaseException | None = None
         self._ready = threading.Event()
-        self.handlers: dict[str, Callable] = {}  # command name -> function run on this thread
         self.after_generation: Callable | None = None  # run when a generation ends (the chat turn's close)
         self.thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
+
+    def next_order(self) -> int:
+        """A number larger than every one handed out before (arrival and recency order)."""
+        return next(self._order)
 
     # ----------------------------------------------------------------------------- thread
 
     def start(self) -> None:
-        """Start the thread and wait until the engine is loaded (re-raising its load error)."""
+        """Start the thread and wait until the engine and the pool are open (re-raising their error)."""
         self.thread.start()
         self._ready.wait()
         if self.error is not None:
             raise self.error
 
+    def _open(self) -> None:
+        self.engine = self._open_engine()
+        try:
+            self.descriptor = self.engine.describe()
+            self.pool = self._open_pool(self.descriptor)
+        except BaseException:
+            self.engine.close()
+            self.engine.release_thread()
+            raise
+        policy = self.policy
+        self.kv = KVManager(self.engine, self.pool, self.log, self.counters, decode_reserve=policy.decode_reserve,
+                            idle_park_seconds=policy.idle_park_seconds, watermarks=policy.watermarks,
+                            max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
+
     def _run(self) -> None:
         try:
-            self.engine = self._open_engine()
-            self.descriptor = self.engine.describe()
+            self._open()
         except BaseException as exc:  # handed to start(), which re-raises it in the caller
             self.error = exc
             self._ready.set()
@@ -119,6 +119,7 @@ class Scheduler:
                 if self._active():
                     self.tick()
                 elif not self._stopping:
+                    self.kv.park_idle(self.clock(), generating=False)
                     self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
         except BaseException as exc:  # the engine or the pool failed: every waiter hears of it
             self.error = exc
@@ -132,39 +133,42 @@ class Scheduler:
         """True while the thread runs."""
         return self.thread.is_alive()
 
-    def call(self, name: str, *args) -> Any:
-        """Run handler `name` on the scheduler thread and return its result (or raise its error)."""
+    def submit(self, command: Callable[..., T], *args: Any) -> concurrent.futures.Future:
+        """Queue `command(*args)` to run on the scheduler thread; its future."""
         if self.error is not None or self._stopping or not self.thread.is_alive():
             raise HostClosed("the host is closed" + (f" (its scheduler failed: {self.error})" if self.error else ""))
-        done = threading.Event()
-        box: list = []
-        self._commands.put((name, args, done, box))
-        while not done.wait(0.5):
-            if not self.thread.is_alive() and not done.is_set():  # it ended (failed) as this call came in
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((future, command, args))
+        return future
+
+    def call(self, command: Callable[..., T], *args: Any) -> T:
+        """Run `command(*args)` on the scheduler thread and return its result (or raise its error)."""
+        future = self.submit(command, *args)
+        while not concurrent.futures.wait([future], timeout=0.5).done:
+            if not self.thread.is_alive() and not future.done():  # it ended (failed) as this call came in
                 raise HostClosed("the host's scheduler stopped before answering"
                                  + (f" (it failed: {self.error!r})" if self.error is not None else ""))
-        if box[0] == "error":
-            raise box[1]
-        return box[1]
+        return future.result()
 
     def _drain(self, block: bool, refuse: bool = False) -> None:
         while True:
             try:
-                name, args, done, box = self._commands.get(timeout=IDLE_WAIT) if block else self._commands.get_nowait()
+                future, command, args = self._commands.get(timeout=IDLE_WAIT) if block else self._commands.get_nowait()
             except queue.Empty:
                 return
             block = False
+            if not future.set_running_or_notify_cancel():
+                continue
             if refuse or self._stopping:  # after close: the engine, log and pool are gone
-                box[:] = ["error", HostClosed("the host closed before this call ran")]
-            else:
-                try:
-                    box[:] = ["ok", self.handlers[name](*args)]
-                except Exception as exc:  # handed back to the caller's thread
-                    box[:] = ["error", exc]
-            done.set()
+                future.set_exception(HostClosed("the host closed before this call ran"))
+                continue
+            try:
+                future.set_result(command(*args))
+            except Exception as exc:  # handed back to the caller's thread
+                future.set_exception(exc)
 
     def stop(self) -> None:
-        """Ask the thread to end after the current command (call through `call`)."""
+        """Ask the thread to end after the current command (run it as a command)."""
         self._stopping = True
 
     def _active(self) -> bool:
@@ -176,45 +180,156 @@ class Scheduler:
                 live.job.generation._finish("error", exc)
                 live.job = None
 
+    # ----------------------------------------------------------------------------- generations
+
+    def waiting(self) -> int:
+        """Generations that have not started yet (waiting for their first admission)."""
+        return sum(1 for live in self.sessions.values() if live.job is not None and not live.job.started)
+
+    def check_capacity(self, live: Live) -> None:
+        """Overloaded when a new generation for `live` would wait beyond the bounded queue."""
+        limit = self.policy.max_waiting
+        if limit is not None and live.seq is None and self.waiting() >= limit:
+            self.counters.rejected += 1
+            raise Overloaded(f"{self.waiting()} generations are waiting for the engine already (max_waiting={limit});"
+                             " retry shortly, or raise max_waiting", retry_after=1)
+
+    def enqueue(self, live: Live, job: Job) -> None:
+        """Give `live` the generation `job`: it starts at once on a warm lane, else waits."""
+        live.job = job
+        if live.seq is not None:  # its own lane is warm: its KV is the cached prefix
+            job.admitted = live.last_used = self.next_order()
+            job.reserved_to = len(live.state.tokens) + self.kv.reserve_for(live)
+            self._started(live)
+
+    def _started(self, live: Live) -> None:
+        job = live.job
+        if not job.started:
+            job.started = True
+            self.counters.cached_tokens += live.kv
+            job.generation.prompt_tokens = len(live.state.tokens)
+            job.generation.cached_tokens = live.kv
+
+    def urgency(self, live: Live, uncached: int) -> tuple:
+        """Admission and prefill order: priority class, then uncached prompt less its age."""
+        job = live.job
+        return job.priority, uncached - AGING * (self.fed - job.fed_at_arrival), job.arrival
+
     # ----------------------------------------------------------------------------- one tick
 
     def tick(self) -> None:
-        """Admit, step, sample, commit, stream, checkpoint, sync."""
-        now = time.monotonic()
-        for live in list(self.sessions.values()):
-            job = live.job
-            if job is not None and job.generation.cancelled.is_set():
-                self.finish(live, "cancelled")
-            elif job is not None and job.deadline is not None and now > job.deadline:
-                self.finish(live, "timeout", GenerationTimeout(
-                    f"session {live.state.id}: the generation ran past its timeout after {job.produced} tokens; "
-                    "what it produced is kept in the session"))
+        """End, park, admit, step, sample, commit, stream, checkpoint, sync."""
+        now = self.clock()
+        self._end_cancelled_and_late(now)
+        self.kv.park_idle(now, generating=True)
         self._admit()
-        lanes = [live for live in self.sessions.values() if live.job is not None and live.seq is not None]
-        decode = [live for live in lanes if len(live.state.tokens) - live.kv == 1]
-        prefill = sorted((live for live in lanes if len(live.state.tokens) - live.kv > 1),
-                         key=lambda live: (live.job.priority, live.job.arrival))
-        requests, budget = [], self.prefill_budget
-        for live in decode:
-            requests.append((live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")))
-        for live in prefill:
-            if budget <= 0:
-                break
-            pending = live.state.tokens[live.kv:]
-            chunk = pending[:budget]
-            budget -= len(chunk)
-            requests.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == len(pending) else "none")))
-        if not requests:
+        decode, prefill = self._plan()
+        if not decode and not prefill:
             return
         if self.descriptor.packing.mixes_prefill_and_decode:
-            self._step(requests)
+            self._step(decode + prefill)
         else:
-            self._step([r for r in requests if r[0] in decode])
-            self._step([r for r in requests if r[0] not in decode])
-        self.relieve_pressure()
+            self._step(decode)
+            self._step(prefill)
+        self.kv.relieve_pressure()
         self.log.sync()
         if self.log.should_compact():
             self.log.compact()
+
+    def _end_cancelled_and_late(self, now: float) -> None:
+        limit = self.policy.max_wait_seconds
+        for live in list(self.sessions.values()):
+            job = live.job
+            if job is None:
+                continue
+            if job.generation.cancelled.is_set():
+                self.finish(live, "cancelled")
+            elif job.deadline is not None and now > job.deadline:
+                self.finish(live, "timeout", GenerationTimeout(
+                    f"session {live.state.id}: the generation ran past its timeout after {job.produced} tokens; "
+                    "what it produced is kept in the session"))
+            elif not job.started and limit is not None and now - job.queued_at > limit:
+                self.counters.rejected += 1
+                self.finish(live, "error", Overloaded(
+                    f"session {live.state.id}: the generation waited {now - job.queued_at:.1f} s for the engine "
+                    f"without starting (max_wait_seconds={limit}); retry shortly, or raise max_wait_seconds"))
+
+    def _admit(self) -> None:
+        waiting = [live for live in self.sessions.values() if live.job is not None and live.seq is None]
+        sources = {live: self.kv.source(live) for live in waiting}
+        uncached = {live: len(live.state.tokens) - max(s.lane_tokens, s.pool_tokens) for live, s in sources.items()}
+        for live in sorted(waiting, key=lambda live: self.urgency(live, uncached[live])):
+            source = sources[live]
+            if self._prefilling_same_prefix(live, len(live.state.tokens) - uncached[live]):
+                continue  # another lane is prefilling this prefix: fork from it when it has
+            try:
+                if not self.kv.admit(live, source):
+                    break  # what is more urgent waits: nothing behind it overtakes it into the cells
+            except EngineError as exc:  # this lane cannot start (a refused state): it alone fails
+                self.finish(live, "error", exc)
+                continue
+            self._started(live)
+
+    def _prefilling_same_prefix(self, live: Live, available: int) -> bool:
+        """True when a lane being prefilled will soon hold more of `live`'s prefix than is
+        available now: better to wait a tick or two and fork from it than prefill it twice."""
+        tokens = live.state.tokens
+        for other in self.kv.lanes:
+            if other is live or other.job is None or other.pending <= 1:
+                continue
+            target = common_prefix(other.state.tokens, tokens, len(tokens) - 1)
+            if target > available + self.policy.prefill_budget // 4 and other.kv < target:
+                return True
+        return False
+
+    def _plan(self) -> tuple[list, list]:
+        """This tick's step requests: (decode, prefill) lists of (lane, StepRequest)."""
+        lanes = [live for live in self.kv.lanes if live.job is not None]
+        room = self._room_for_step(lanes)
+        lanes = [live for live in lanes if live.seq is not None and live.job is not None]
+        decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
+                  if live.pending == 1]
+        interactive = any(live.job.priority == INTERACTIVE for live in lanes)
+        budget, prefill = min(self.policy.prefill_budget, room - len(decode)), []
+        for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
+            if budget <= 0:
+                break
+            if interactive and live.job.priority != INTERACTIVE:
+                continue  # an interactive lane's steps carry no other class's prefill
+            chunk = live.state.tokens[live.kv:live.kv + budget]
+            budget -= len(chunk)
+            prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
+        return decode, prefill
+
+    def _room_for_step(self, lanes: list[Live]) -> int:
+        """Free cells for this step: at least one per decoding lane (and one for prefill when none
+        decodes), made by parking idle lanes, then preempting the lane that matters least."""
+        while True:
+            running = [live for live in lanes if live.seq is not None and live.job is not None]
+            decoding = sum(1 for live in running if live.pending == 1)
+            need = decoding or (1 if running else 0)
+            room = self.kv.cells_total - self.kv.cells_used()
+            if room >= need:
+                return room
+            if self.kv.park_least_recent_idle():
+                continue
+            if len(running) == 1:  # one session alone fills every cell
+                self._context_full(running[0])
+                continue
+            self.kv.preempt(self.kv.victim_for_growth(set()))
+
+    def _context_full(self, live: Live) -> None:
+        """End `live`'s generation: it alone reached the cells the engine has."""
+        limit = self.context_limit()
+        error = None if self.policy.on_context_full == "stop" else ContextFull(
+            f"session {live.state.id} reached the context length ({limit} tokens); trim it (Session.trim), fork a "
+            "shorter one, or start a new session")
+        self.finish(live, "length", error)
+
+    def context_limit(self) -> int:
+        """The most tokens one session can hold: the model's context, within the engine's cells."""
+        context, cells = self.descriptor.context_length, self.kv.cells_total
+        return min(context, cells) if context and cells else context or cells
 
     def _step(self, requests: list) -> None:
         if not requests:
@@ -222,22 +337,12 @@ class Scheduler:
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
-            for live, _ in requests:  # a step split into several forwards may have fed part of it
-                live.kv = self.engine.length(live.seq)
-            if self._make_room(exclude={live for live, _ in requests}):
-                return  # the next tick tries again
-            if len(requests) > 1:
-                for pair in requests:  # one by one, so one lane's lack of room fails only it
-                    self._step([pair])
-                return
-            live = requests[0][0]
-            self.finish(live, "error", ContextFull(
-                f"session {live.state.id}: the engine's KV cache ({self.descriptor.context_length} cells shared by "
-                "every sequence) has no room for it; raise the engine's context (n_ctx) or end other sessions"))
+            self._no_room([live for live, _ in requests])
             return
         for (live, request), logits in zip(requests, results):
             fed = len(request.tokens)
             live.kv += fed
+            self.fed += fed
             if fed == 1 and live.job.produced:
                 self.counters.decode_tokens += 1
             else:
@@ -245,9 +350,22 @@ class Scheduler:
                 live.job.prefilled += fed
             if request.logits == "none":
                 continue
-            if live.job.prefilled >= self.publish_tokens and fed > 1:
-                self.park(live, keep_lane=True)  # the end of a long prefill: publish it for others
+            if live.job.prefilled >= self.policy.publish_tokens and fed > 1:
+                self.kv.park(live, keep_lane=True)  # the end of a long prefill: publish it for others
             self._emit(live, logits[-1])
+
+    def _no_room(self, stepped: list[Live]) -> None:
+        """The engine found no room for a step its cells seemed to allow (a fragmented cache):
+        park an idle lane or preempt the lane that matters least; one lane alone is full."""
+        for live in stepped:  # a step split into several forwards may have fed part of it
+            self.kv.resync(live)
+        if self.kv.park_least_recent_idle():
+            return  # the next tick tries again
+        running = [live for live in self.kv.lanes if live.job is not None]
+        if len(running) > 1:
+            self.kv.preempt(self.kv.victim_for_growth(set()))
+        else:
+            self._context_full(stepped[0])
 
     def _emit(self, live: Live, logits) -> None:
         """Sample the next token from `logits`, commit it, and hand the piece to the generation."""
@@ -265,26 +383,26 @@ class Scheduler:
             self.finish(live, "stop")
         elif job.produced >= job.max_tokens:
             self.finish(live, "length")
-        elif self.descriptor.context_length and len(state.tokens) >= self.descriptor.context_length:
-            error = None if self.on_context_full == "stop" else ContextFull(
-                f"session {state.id} reached the context length ({self.descriptor.context_length} tokens); trim it "
-                "(Session.trim), fork a shorter one, or start a new session")
-            self.finish(live, "length", error)
-        elif live.since_park >= self.checkpoint_tokens:
-            self.park(live, keep_lane=True)
+        elif len(state.tokens) >= self.context_limit():
+            self._context_full(live)
+        elif live.since_park >= self.policy.checkpoint_tokens:
+            self.kv.park(live, keep_lane=True)
 
     # ----------------------------------------------------------------------------- committing
 
-    def commit(self, live: Live, tokens: list[int]) -> None:
-        """Append `tokens` to the session: logged (written) before anyone hears of them."""
-        self.log.append(Tokens(live.state.id, len(live.state.tokens), tokens))
+    def commit(self, live: Live, tokens: list[int], *records) -> None:
+        """Append `tokens` to the session (after `records`): logged (written) before anyone hears of them."""
+        self.log.append(*records, Tokens(live.state.id, len(live.state.tokens), tokens))
         live.since_park += len(tokens)
-        live.last_used = next(self._clock)
+        live.last_used = self.next_order()
 
     def finish(self, live: Live, reason: str, error: BaseException | None = None) -> None:
-        """End the session's generation; its lane stays warm until room is needed."""
+        """End the session's generation; its lane stays warm until room is needed or it idles."""
         job = live.job
         live.job = None
+        live.idle_since = self.clock()
+        if live.seq is None:
+            self.kv.release_held(live)  # ended while swapped out
         rest = job.stream.finish() if reason in ("length", "cancelled", "timeout", "closed", "error") else ""
         if rest:
             job.generation._put(Piece(rest, -1))
@@ -296,186 +414,3 @@ class Scheduler:
                 error = error or exc
         job.generation.finish_reason = reason
         job.generation._finish(reason, error)
-
-    # ----------------------------------------------------------------------------- lanes
-
-    def _admit(self) -> None:
-        waiting = sorted((live for live in self.sessions.values() if live.job is not None and live.seq is None),
-                         key=lambda live: (live.job.priority, live.job.arrival))
-        for live in waiting:
-            source = self._best_source(live)
-            if self._prefilling_same_prefix(live, max(source[0], source[2].tokens if source[2] else 0)):
-                continue  # another lane is prefilling this prefix: fork from it when it has
-            if not self._free_sequence_for(live):
-                continue
-            if source[1] is not None and source[1].seq is None:
-                source = self._best_source(live)  # the lane it would fork was parked to make room
-            try:
-                self._restore(live, source)
-            except EngineError as exc:  # this lane cannot start (no room, a refused state): it alone fails
-                if live.seq is not None:
-                    self.engine.free_sequence(live.seq)
-                    live.seq, live.kv = None, 0
-                self.finish(live, "error", exc)
-
-    def _free_sequence_for(self, live: Live) -> bool:
-        """True when a sequence can be had for `live`: one is free, an idle lane is parked to free
-        one, or a lower-priority generation is preempted."""
-        held = [other for other in self.sessions.values() if other.seq is not None]
-        if len(held) < self.descriptor.packing.max_sequences:
-            return True
-        idle = sorted((other for other in held if other.job is None), key=lambda other: other.last_used)
-        if idle:
-            self.park(idle[0], keep_lane=False)
-            return True
-        victims = sorted((other for other in held if other.job.priority > live.job.priority),
-                         key=lambda other: (-other.job.priority, -other.job.arrival))
-        if victims and live.job.priority == PRIORITIES.index("interactive"):
-            self.park(victims[0], keep_lane=False)
-            self.counters.preemptions += 1
-            return True
-        return False
-
-    def _make_room(self, exclude: set) -> bool:
-        """Free engine cells by parking an idle lane (least recently used first)."""
-        idle = sorted((other for other in self.sessions.values()
-                       if other.seq is not None and other.job is None and other not in exclude),
-                      key=lambda other: other.last_used)
-        if not idle:
-            return False
-        self.park(idle[0], keep_lane=False)
-        return True
-
-    def park(self, live: Live, *, keep_lane: bool) -> None:
-        """Export the lane's KV into the pool (logged as Parked); free its sequence unless `keep_lane`."""
-        if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
-            live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
-            try:
-                info = self.engine.export(live.seq, self.pool, live.state.tokens[:live.kv], tag=f"session:{live.state.id}")
-            except (PoolError, EngineError):
-                self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
-                info = None
-            if info is not None:
-                self.counters.exports += 1
-                self._hold(live, info.id)
-                self.pool.release(info.id)  # cached, not held: see _hold
-                self.log.append(Parked(live.state.id, info.id, live.kv))
-        if not keep_lane and live.seq is not None:
-            self.engine.free_sequence(live.seq)
-            live.seq, live.kv = None, 0
-
-    def _parked_as_is(self, live: Live) -> bool:
-        """True when the pool still holds the session's KV as its lane holds it now."""
-        if live.entry is None or live.state.parked is None or live.state.parked[1] != live.kv:
-            return False
-        try:
-            self.pool.info(live.entry)
-        except PoolError:
-            return False  # evicted since
-        return True
-
-    def _hold(self, live: Live, entry: int | None) -> None:
-        """Make `entry` the session's parked KV. Sessions hold no reference to it, so under
-        pressure it is evicted by cost like any cached entry (the session then prefills from its
-        log); only a pinned session's entry stays, and its pin moves to each new park."""
-        if live.pinned and entry is not None:
-            self.pool.pin(entry)
-        if live.pinned and live.entry is not None:
-            try:
-                self.pool.unpin(live.entry)
-            except PoolError:
-                pass  # already gone
-        live.entry = entry
-        if entry is None:
-            live.pinned = False
-
-    def relieve_pressure(self) -> int:
-        """Past the high watermark, evict cached entries nobody holds down to the low one."""
-        used, budget = self.pool.usage()
-        if used <= self.high_watermark * budget:
-            return 0
-        return self.pool.shed(int(self.low_watermark * budget))
-
-    def _best_source(self, live: Live) -> tuple[int, Live | None, object]:
-        """The longest cached prefix of `live`'s tokens (all but the last, whose logits the next
-        step needs): (tokens a live lane holds, that lane, the pool's best match or None)."""
-        tokens = live.state.tokens
-        want = len(tokens) - 1
-        fork = max(((self._common(other, tokens, want), other) for other in self.sessions.values()
-                    if other is not live and other.seq is not None), key=lambda pair: pair[0], default=(0, None))
-        match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
-        return fork[0], fork[1], match
-
-    def _restore(self, live: Live, source: tuple[int, Live | None, object]) -> None:
-        """Give `live` a sequence holding the prefix `source` offers: a fork of a live lane when
-        it holds at least as much as the pool, else the pool entry imported (one copy)."""
-        forked, lane, match = source
-        job = live.job
-        live.seq = None
-        if lane is not None and lane.seq is not None and forked > 0 and forked >= (match.tokens if match else 0):
-            live.seq = self.engine.fork(lane.seq)
-            live.kv = forked
-            if self.engine.length(live.seq) > forked:
-                try:
-                    self.engine.truncate(live.seq, forked)
-                except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
-                    self.engine.free_sequence(live.seq)
-                    live.seq = None
-        if live.seq is None:
-            live.seq = self.engine.new_sequence()
-            live.kv = 0
-            if match is not None and match.tokens > 0:
-                live.kv = self._import(live, match.entry_id, match.tokens)
-        if not job.started:
-            self.counters.cached_tokens += live.kv
-            job.started = True
-            job.generation.prompt_tokens = len(live.state.tokens)
-            job.generation.cached_tokens = live.kv
-        live.last_used = next(self._clock)
-
-    def _import(self, live: Live, entry: int, keep: int) -> int:
-        try:
-            with self.pool.get(entry, verify=False) as view:
-                restored = self.engine.import_(live.seq, view)
-        except (DataCorrupt, PoolError, EngineError) as exc:  # corrupt, evicted, refused: prefill instead
-            self.counters.import_failures += 1
-            if isinstance(exc, DataCorrupt):
-                try:
-                    self.pool.evict(entry)  # nobody should start from it again
-                except PoolError:
-                    pass  # held elsewhere: the pool counts it corrupt, its holders will find out
-            return 0
-        self.counters.imports += 1
-        if restored > keep:
-            try:
-                self.engine.truncate(live.seq, keep)
-            except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
-                self.engine.free_sequence(live.seq)
-                live.seq = self.engine.new_sequence()
-                return 0
-        return min(restored, keep)
-
-    def _common(self, other: Live, tokens: list[int], limit: int) -> int:
-        """Tokens at the start of `tokens` (up to `limit`) whose KV `other`'s sequence holds."""
-        return self._common_tokens(other.state.tokens[:other.kv], tokens, limit)
-
-    def _prefilling_same_prefix(self, live: Live, available: int) -> bool:
-        """True when a lane being prefilled will soon hold more of `live`'s prefix than is
-        available now: better to wait a tick or two and fork from it than prefill it twice."""
-        tokens = live.state.tokens
-        for other in self.sessions.values():
-            if other is live or other.seq is None or other.job is None or len(other.state.tokens) - other.kv <= 1:
-                continue
-            target = self._common_tokens(other.state.tokens, tokens, len(tokens) - 1)
-            if target > available + self.prefill_budget // 4 and other.kv < target:
-                return True
-        return False
-
-    @staticmethod
-    def _common_tokens(a: list[int], b: list[int], limit: int) -> int:
-        common = 0
-        for x, y in zip(a[:limit], b[:limit]):
-            if x != y:
-                break
-            common += 1
-        return common

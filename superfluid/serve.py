@@ -19,9 +19,14 @@ from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import host_memory_available
 from superfluid.host import DEFAULT_POOL_BYTES, Host
-from superfluid.server import Server, model_name_of
+from superfluid.server import Server, kv_summary, model_name_of
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+
+# What serve changes of the runtimes' own defaults: llama.cpp's cells sized from the model's cell
+# price and the memory available (the library's Host keeps a fixed 4,096).
+SERVE_DEFAULTS = {"llamacpp": {"n_ctx": "-1"}}
 
 
 class UsageError(Exception):
@@ -42,11 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the pool's size and the memory available)")
     parser.add_argument("--log-dir", type=Path, help="the session log's directory")
     parser.add_argument("--model-name", help="the id /v1/models shows (default: the file's name)")
+    parser.add_argument("--max-waiting", type=int, default=64, help="generations that may wait for the engine at "
+                        "once; beyond them a request is answered 503 with Retry-After (default: 64)")
+    parser.add_argument("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long "
+                        "without starting is answered 503 (default: 300)")
+    parser.add_argument("--idle-park-seconds", type=float, default=5.0, help="an idle session's KV leaves the "
+                        "engine for the pool after this long (default: 5)")
+    parser.add_argument("--decode-reserve", type=int, default=64, help="KV cells a generation must find free "
+                        "beyond its prompt to be admitted (default: 64)")
 
 
 def runtime_options(runtime: str, rest: list[str]) -> dict:
     """`--<runtime>-<name> VALUE` pairs, checked against the runtime's declared options."""
-    options, prefix = {}, f"--{runtime}-"
+    options, prefix = dict(SERVE_DEFAULTS.get(runtime, {})), f"--{runtime}-"
     items = list(rest)
     while items:
         flag = items.pop(0)
@@ -88,10 +101,12 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         options = runtime_options(runtime, rest)
         check_memory(model, args.pool_bytes)
         host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
-                    log_dir=args.log_dir, export_budget=args.export_budget,
+                    log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
+                    max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
+                    decode_reserve=args.decode_reserve,
                     on_context_full="stop",  # a reply that reaches the context ends with finish_reason "length"
                     **{f"{runtime}_{k}": v for k, v in options.items()})
-    except UsageError as exc:
+    except (UsageError, ValueError) as exc:  # a flag's value the host refuses (it names the setting)
         print(f"superfluid serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ModelLoadError as exc:
@@ -116,7 +131,10 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    kv = kv_summary(host.stats())
     print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
+    print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each; pool export budget "
+          f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

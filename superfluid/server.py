@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from superfluid import api
-from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, SessionBusy, SessionNotFound
+from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded, SessionBusy, SessionNotFound
 from superfluid.host import Host
 
 MAX_BODY = 1 << 20  # bytes of request body
@@ -169,6 +169,10 @@ class Handler(BaseHTTPRequestHandler):
         except (SessionBusy, SessionNotFound, ContextFull) as exc:
             status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
             self._json(status, api.ApiError(status, str(exc)).body())
+        except Overloaded as exc:  # before any byte of a response: the client may retry
+            status = 503
+            self._json(503, api.ApiError(503, str(exc), kind="server_error", code="overloaded").body(),
+                       {"Retry-After": str(exc.retry_after)})
         except HostClosed as exc:
             status = 503
             self._json(503, api.ApiError(503, str(exc), kind="server_error").body())
@@ -207,9 +211,11 @@ class Handler(BaseHTTPRequestHandler):
 
     # ----------------------------------------------------------------------------- writing
 
-    def _json(self, status: int, payload: dict) -> None:
+    def _json(self, status: int, payload: dict, headers: dict | None = None) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -224,14 +230,21 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _events(self, chunks: Iterator[dict]) -> None:
-        """Server-sent events, one JSON chunk each, then [DONE] (chunked transfer)."""
+        """Server-sent events, one JSON chunk each, then [DONE] (chunked transfer). An error after
+        the stream began goes out as an error event (OpenAI's clients raise it as an API error),
+        then [DONE]: never as a second response inside the first."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        for chunk in chunks:
-            self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+        try:
+            for chunk in chunks:
+                self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the client must hear of it in the stream
+            self._chunk(f"data: {json.dumps(_error_event(exc))}\n\n".encode())
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
 
@@ -242,7 +255,9 @@ class Handler(BaseHTTPRequestHandler):
     # ----------------------------------------------------------------------------- routes
 
     def _health(self) -> None:
-        self._json(200, {"status": "ok", "model": self.server.model_name, "runtime": self.server.host.runtime})
+        stats = self.server.host.stats()
+        self._json(200, {"status": "ok", "model": self.server.model_name, "runtime": self.server.host.runtime,
+                         "kv": kv_summary(stats), "generating": stats.generating, "waiting": stats.waiting})
 
     def _models(self) -> None:
         self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
@@ -266,7 +281,24 @@ class Handler(BaseHTTPRequestHandler):
         metric("preemptions_total", "counter", "Generations preempted by an interactive one.",
                [("", stats.preemptions)])
         metric("kv_bytes_copied_total", "counter", "KV bytes copied (pool and engine).", [("", stats.bytes_copied)])
+        metric("idle_parks_total", "counter", "Idle lanes parked into the pool to free engine cells.",
+               [("", stats.idle_parks)])
+        metric("exports_total", "counter", "KV exports into the pool (parks, swaps out, checkpoints).",
+               [("", stats.exports)])
+        metric("imports_total", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).",
+               [("", stats.imports)])
+        metric("rejected_total", "counter", "Generations answered 503: the wait queue was full or waited too long.",
+               [("", stats.rejected)])
         metric("generating", "gauge", "Generations running now.", [("", stats.generating)])
+        metric("waiting", "gauge", "Generations waiting for the engine's cells (not started yet).",
+               [("", stats.waiting)])
+        metric("lanes", "gauge", "Sessions whose KV is in the engine.", [("", stats.lanes)])
+        metric("parked_sessions", "gauge", "Sessions whose KV is parked in the pool.", [("", stats.parked_sessions)])
+        metric("kv_cells", "gauge", "KV cells the engine holds, all sessions together.", [("", stats.cells_total)])
+        metric("kv_cells_used", "gauge", "KV cells in use in the engine.", [("", stats.cells_used)])
+        metric("kv_cell_bytes", "gauge", "Bytes of KV per cell (the cell price).", [("", stats.cell_price)])
+        metric("pool_budget_bytes", "gauge", "Bytes of KV the pool may hold (its export budget).",
+               [("", stats.pool_budget_bytes)])
         metric("sessions", "gauge", "Sessions the host keeps.", [("", stats.sessions)])
         with metrics.lock:
             requests = sorted(metrics.requests.items())
@@ -293,9 +325,7 @@ class Handler(BaseHTTPRequestHandler):
         host = self.server.host
         session = host.session(**api.sampling_of(request))
         try:
-            for message in request.messages:
-                role = "system" if message.role == "developer" else message.role
-                host._call("append_message", session.id, role, api.text_of(message))
+            self._append(session, request.messages)
             self._generate(session, request, request.max_completion_tokens or request.max_tokens, chat=True)
         finally:
             host.retire(session.id)
@@ -328,7 +358,7 @@ class Handler(BaseHTTPRequestHandler):
     def _append(self, session, messages: list) -> None:
         for message in messages:
             role = "system" if message.role == "developer" else message.role
-            self.server.host._call("append_message", session.id, role, api.text_of(message))
+            session.append_message(role, api.text_of(message))
 
     def _session_create(self) -> int:
         request = api.decode(self._body(), api.SessionCreate)
@@ -373,20 +403,30 @@ class Handler(BaseHTTPRequestHandler):
             raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
         started = time.perf_counter()
         generation = session.generate(max_tokens=max_tokens, stop=api.stops_of(request), ignore_eos=request.ignore_eos,
-                                      **(overrides or {}))
+                                      priority=request.priority, **(overrides or {}))
+        pieces = iter(generation)
+        try:
+            # The status goes out with the first piece: a generation refused while it waited
+            # (Overloaded, ContextFull) is answered with its own status, not inside a 200.
+            first = next(pieces, None)
+        except GenerationTimeout:
+            first = None  # nothing produced in time: answered with finish_reason "length"
+        except BaseException:
+            generation.cancel()
+            raise
+        if first is not None:
+            self.server.metrics.first_token(time.perf_counter() - started)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.server.model_name}
         if request.stream:
-            self._stream(generation, base, chat, request, started)
+            self._stream(generation, first, pieces, base, chat, request)
             return
         try:
-            for _ in generation:
+            for _ in pieces:
                 pass
         except GenerationTimeout:
             pass  # what it produced is answered, with finish_reason "length"
-        if generation.tokens:
-            self.server.metrics.first_token(time.perf_counter() - started)  # (approximate for a whole reply)
         text = generation.text
         reason = FINISH.get(generation.finish_reason or "stop", "stop")
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
@@ -394,23 +434,27 @@ class Handler(BaseHTTPRequestHandler):
                   {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
         self._json(200, {**base, "choices": [choice], "usage": _usage(generation)})
 
-    def _stream(self, generation, base: dict, chat: bool, request, started: float) -> None:
+    def _stream(self, generation, first, pieces: Iterator, base: dict, chat: bool, request) -> None:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        def texts() -> Iterator[str]:
+            if first is not None:
+                yield first.text
+            try:
+                for piece in pieces:
+                    yield piece.text
+            except GenerationTimeout:
+                pass  # what it produced was streamed; it ends with finish_reason "length"
+
         def chunks() -> Iterator[dict]:
-            first = True
             if chat:
                 yield {**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                              "finish_reason": None}]}
-            for piece in generation:
-                if first:
-                    self.server.metrics.first_token(time.perf_counter() - started)
-                    first = False
-                if not piece.text:
-                    continue
-                delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
-                yield {**base, "object": kind, "choices": [{"index": 0, **delta, "finish_reason": None}]}
+            for text in texts():
+                if text:
+                    delta = {"delta": {"content": text}} if chat else {"text": text}
+                    yield {**base, "object": kind, "choices": [{"index": 0, **delta, "finish_reason": None}]}
             reason = FINISH.get(generation.finish_reason or "stop", "stop")
             last = {"delta": {}} if chat else {"text": ""}
             yield {**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]}
@@ -422,6 +466,22 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             generation.cancel()  # the client went away: free its lane now
             raise
+
+
+def _error_event(exc: BaseException) -> dict:
+    """The body of an SSE error event for an error after a stream began."""
+    if isinstance(exc, api.ApiError):
+        return exc.body()
+    if isinstance(exc, ContextFull):
+        return api.ApiError(400, str(exc), code="context_length_exceeded").body()
+    return api.ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body()
+
+
+def kv_summary(stats) -> dict:
+    """The engine's cells and the pool's budget, as /health and the start-up line report them."""
+    price = max(stats.cell_price, 1)
+    return {"cells": stats.cells_total, "cells_used": stats.cells_used, "cell_bytes": stats.cell_price,
+            "pool_budget_bytes": stats.pool_budget_bytes, "pool_tokens": stats.pool_budget_bytes // price}
 
 
 def _usage(generation) -> dict:

@@ -117,33 +117,41 @@ class Session:
     def __repr__(self) -> str:
         return f"Session({self.id!r})"
 
+    def append_message(self, role: str, text: str) -> None:
+        """Add a chat message of `role` (system, user or assistant), rendered by the chat template."""
+        self._host.call(self._host.commands.append_message, self.id, role, text)
+
     def append_user(self, text: str) -> None:
         """Add a user message, rendered by the model's chat template."""
-        self._host._call("append_message", self.id, "user", text)
+        self.append_message("user", text)
 
     def append_assistant(self, text: str) -> None:
         """Add an assistant message (a reply the model did not write here)."""
-        self._host._call("append_message", self.id, "assistant", text)
+        self.append_message("assistant", text)
 
     def append_system(self, text: str) -> None:
         """Add a system message."""
-        self._host._call("append_message", self.id, "system", text)
+        self.append_message("system", text)
 
     def append_tokens(self, tokens: Sequence[int]) -> None:
         """Add raw token ids (no template)."""
-        self._host._call("append_tokens", self.id, [int(t) for t in tokens])
+        self._host.call(self._host.commands.append_tokens, self.id, [int(t) for t in tokens])
 
     def append_text(self, text: str) -> None:
         """Add text tokenized as it is (no template)."""
-        self._host._call("append_text", self.id, text)
+        self._host.call(self._host.commands.append_text, self.id, text)
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
-                 keep_logits: bool = False, ignore_eos: bool = False, **sampling) -> Generation:
-        """Start generating (SessionBusy if this session already is); iterate the result for pieces.
-        `sampling` overrides the session's defaults for this generation only; `keep_logits`
-        keeps each step's logits (float32, one row per token) in `Generation.logits`;
-        `ignore_eos` goes on past end-of-turn tokens (for fixed-length runs)."""
-        return self._host._call("generate", self.id, max_tokens, stop, timeout, sampling, keep_logits, ignore_eos)
+                 keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
+                 **sampling) -> Generation:
+        """Start generating (SessionBusy if this session already is; Overloaded if the host's wait
+        queue is full); iterate the result for pieces. It starts when the engine has the cells
+        for it. `sampling` overrides the session's defaults for this generation only;
+        `keep_logits` keeps each step's logits (float32, one row per token) in
+        `Generation.logits`; `ignore_eos` goes on past end-of-turn tokens (for fixed-length
+        runs); `priority` ("interactive", "default", "background") overrides the session's."""
+        return self._host.call(self._host.commands.generate, self.id, max_tokens, stop, timeout, sampling, keep_logits,
+                               ignore_eos, priority)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  **sampling) -> str:
@@ -152,36 +160,36 @@ class Session:
 
     def fork(self) -> Session:
         """A new session with this one's tokens and messages, sharing its KV (no KV bytes copied)."""
-        return Session(self._host, self._host._call("fork", self.id))
+        return Session(self._host, self._host.call(self._host.commands.fork, self.id))
 
     def trim(self, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens (and the chat messages that end within them)."""
-        self._host._call("trim", self.id, n_tokens)
+        self._host.call(self._host.commands.trim, self.id, n_tokens)
 
     def pin(self) -> int:
         """Keep this session's KV in the pool, never evicted, until unpin() (or the host closes).
         Its KV as it is now is parked first; later parks move the pin along. PinLimit when the
         host's cap on pinned bytes would be passed. Returns the bytes pinned."""
-        return self._host._call("pin", self.id)
+        return self._host.call(self._host.commands.pin, self.id)
 
     def unpin(self) -> None:
         """Let this session's parked KV be evicted again under pressure."""
-        self._host._call("unpin", self.id)
+        self._host.call(self._host.commands.unpin, self.id)
 
     @property
     def tokens(self) -> list[int]:
         """The committed tokens."""
-        return self._host._call("tokens", self.id)
+        return self._host.call(self._host.commands.tokens, self.id)
 
     @property
     def messages(self) -> list[dict]:
         """The chat messages so far."""
-        return self._host._call("messages", self.id)
+        return self._host.call(self._host.commands.messages, self.id)
 
     def info(self) -> SessionInfo:
         """The session's summary."""
-        return self._host._call("info", self.id)
+        return self._host.call(self._host.commands.info, self.id)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of `tokens` (special tokens rendered)."""
-        return self._host._call("detokenize", list(tokens))
+        return self._host.call(self._host.commands.detokenize, list(tokens))

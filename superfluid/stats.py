@@ -19,7 +19,9 @@ class Counters:
     imports: int = 0
     import_failures: int = 0
     export_failures: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # running generations swapped out to the pool to make room
+    idle_parks: int = 0  # idle lanes parked to free the engine's cells
+    rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -43,3 +45,12 @@ class HostStats(msgspec.Struct, frozen=True):
     sessions: int
     lanes: int  # sessions holding an engine sequence
     generating: int
+    waiting: int = 0  # generations not started yet
+    parked_sessions: int = 0  # sessions whose KV is in the pool, not in the engine
+    idle_parks: int = 0
+    rejected: int = 0
+    cells_total: int = 0  # KV cells the engine holds, all sequences together
+    cells_used: int = 0
+    cells_reserved: int = 0  # cells admitted generations may still write
+    cell_price: int = 0  # bytes of KV per cell
+    pool_budget_bytes: int = 0  # the pool's export budget

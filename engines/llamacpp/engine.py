@@ -21,7 +21,7 @@ from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError)
 from engines.llamacpp import blob, canary, library, settings
-from kvpool import Device, EntryInfo, EntryView, Pool, pricing
+from kvpool import Device, EntryInfo, EntryView, Pool, host_memory_available, pricing
 
 RUNTIME = "llamacpp"
 CANARY_TOKENS = 8
@@ -67,7 +67,9 @@ class LlamaCppEngine(Adapter):
 
     def _open_context(self, path: Path) -> None:
         api, values = self._api, self._values
-        n_ctx = values["n_ctx"] or api.llama_model_n_ctx_train(self._model)
+        self._model_kv = self._read_model_kv()  # priced before the context exists: it sizes n_ctx = -1
+        n_ctx = settings.context_cells(values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
+                                       pricing.bytes_per_token(self._model_kv), host_memory_available())
         self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx,
                                                                                  self._lib.version))
         if not self._ctx:
@@ -89,7 +91,6 @@ class LlamaCppEngine(Adapter):
         self._slot_seq = [-1] * self._n_batch
         self._free_seqs = list(range(values["n_seq_max"]))
         self._pieces: dict[int, bytes] = {}
-        self._model_kv = self._read_model_kv()
         self._expected = self._expected_blob(self._probe_blob_header())
         self._descriptor = self._describe(path)
         self._canary()
@@ -147,7 +148,7 @@ class LlamaCppEngine(Adapter):
                           max_sequences=values["n_seq_max"], copies_on_lane_change=False)
         return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
                           pricing.bytes_per_token(self._model_kv), self._n_ctx, self._n_vocab, packing, device,
-                          bos, eos, template.decode() if template else None)
+                          bos, eos, template.decode() if template else None, kv_cells=self._n_ctx, unified_cells=True)
 
     def _canary(self) -> None:
         """A multi-token batch through the model before anyone relies on it: a build that

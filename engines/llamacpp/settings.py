@@ -25,8 +25,9 @@ OPTIONS = (
     OptionSpec("batch_size", "int", 512, "most tokens one step submits (n_batch)", minimum=1, maximum=1 << 20),
     OptionSpec("ubatch_size", "int", 512, "most tokens one physical batch computes (n_ubatch)", minimum=1,
                maximum=1 << 20),
-    OptionSpec("n_ctx", "int", 4096, "KV cells shared by all sequences; 0 = the model's training context",
-               minimum=0, maximum=1 << 24),
+    OptionSpec("n_ctx", "int", 4096, "KV cells shared by all sequences; 0 = the model's training context; "
+               "-1 = as many as an eighth of the memory available holds at the model's cell price, at most "
+               "n_seq_max times the training context", minimum=-1, maximum=1 << 24),
     OptionSpec("n_seq_max", "int", 8, "sequences alive at once", minimum=1, maximum=256),
     OptionSpec("n_gpu_layers", "int", 0, "layers offloaded to a GPU (0 = CPU only, -1 = all)", minimum=-1),
     OptionSpec("main_gpu", "int", 0, "the GPU that holds the model when split_mode is none", minimum=0),
@@ -126,3 +127,19 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -
     params.rope_scaling_type = ROPE_SCALING[values["rope_scaling_type"]]
     params.no_perf = True
     return params
+
+
+AUTO_MEMORY_FRACTION = 8  # n_ctx = -1 gives the KV cache at most 1/8 of the memory available
+
+
+def context_cells(n_ctx: int, trained: int, n_seq_max: int, cell_price: int, available: int) -> int:
+    """The cells of the unified KV cache: `n_ctx` as given, the training context for 0, and for
+    -1 what an eighth of the `available` memory holds at `cell_price` bytes per cell, at most
+    `n_seq_max` sessions of the training context (cells nobody uses cost memory, not time:
+    each forward reads only up to the highest cell in use)."""
+    if n_ctx > 0:
+        return n_ctx
+    if n_ctx == 0:
+        return trained
+    by_memory = available // AUTO_MEMORY_FRACTION // max(cell_price, 1)
+    return max(256, min(by_memory, n_seq_max * trained)) // 256 * 256

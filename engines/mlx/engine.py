@@ -134,9 +134,11 @@ class MlxEngine(Adapter):
         packing = Packing(mixes_prefill_and_decode=False, max_tokens=self._values["prefill_chunk"],
                           max_sequences=self._values["max_sequences"], copies_on_lane_change=True)
         context = self._config.get("max_position_embeddings") or 0
+        cell_price = price.cell_price(self._model_kv)
         return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, self._model_kv,
-                          price.cell_price(self._model_kv), context, self._config["vocab_size"], packing, Device(),
-                          self._tokenizer.bos_token_id, eos, self._tokenizer.chat_template)
+                          cell_price, context, self._config["vocab_size"], packing, Device(),
+                          self._tokenizer.bos_token_id, eos, self._tokenizer.chat_template,
+                          kv_cells=settings.kv_cells(self._values, cell_price, context))
 
     def describe(self) -> Descriptor:
         """What this engine is (fixed once loaded)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from engines.errors import ModelLoadError, OptionError
 from engines.options import OptionSpec, validate
+from kvpool import host_memory_available
 
 OPTIONS = (
     OptionSpec("prefill_chunk", "int", 512, "most tokens one forward takes while prefilling", minimum=1,
@@ -21,6 +22,9 @@ OPTIONS = (
                "0 = the model's dtype", minimum=0, maximum=8),
     OptionSpec("kv_group_size", "int", 64, "values per quantization group of the KV cache: 32, 64 or 128 "
                "(the head dimension must be a multiple)", minimum=32, maximum=128),
+    OptionSpec("kv_cells", "int", 0, "KV cells (token positions) every sequence together may hold in MLX's "
+               "memory; the host admits work within them and parks the rest in the pool. 0 = a quarter of the "
+               "memory available at load, by the cell price", minimum=0),
     OptionSpec("dequantize", "choice", "auto", "load a quantized GGUF's weights as float32: MLX's quantized "
                "matmul does not use BLAS, so on a CPU float32 with a fast BLAS is several times faster. "
                "auto = on where MLX runs on the CPU and float32 weights fit the memory available with room "
@@ -32,6 +36,7 @@ IDENTITY_OPTIONS: tuple[str, ...] = ("max_kv_size", "kv_bits", "kv_group_size")
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 SPARE_FRACTION = 0.5  # float32 weights may take at most this share of the memory available
+KV_MEMORY_FRACTION = 0.25  # the share of available memory MLX's KV caches may grow into by default
 
 
 def _combinations(values: dict[str, Any]) -> None:
@@ -66,3 +71,11 @@ def dequantize_decision(requested: str, on_cpu: bool, float32_bytes: int, availa
                 f"{SPARE_FRACTION:.0%} of it); pass dequantize=off to run the quantized weights, or free memory")
         return True
     return on_cpu and fits
+
+
+def kv_cells(values: dict[str, Any], cell_price: int, context: int) -> int:
+    """The cells MLX's caches may hold, all sequences together: the kv_cells option, or a
+    quarter of the memory available by the cell price; never more than every sequence can use."""
+    most = values["max_sequences"] * context if context else 0
+    cells = values["kv_cells"] or int(KV_MEMORY_FRACTION * host_memory_available()) // max(cell_price, 1)
+    return min(cells, most) if most else cells

@@ -1,0 +1,394 @@
+"""The KV manager: where every session's KV is, and what moves it.
+
+A session's KV is in a lane (an engine sequence holding its first `kv` tokens), in a pool entry
+(parked), or nowhere (its log has the tokens; it is prefilled again). The engine's cells are a
+managed resource and the pool is their swap space:
+
+- **Admission by cells.** A waiting generation gets a lane when its uncached prompt plus a
+  decode reserve fits in the cells that are neither used nor reserved by admitted generations.
+  A fork of a live lane in a unified cache costs no cells for the shared prefix.
+- **Swap.** To make room: idle lanes are parked first (least recently used first); then an
+  interactive arrival preempts the least urgent lane of another class. A step whose lanes grew
+  past what is free preempts the running lane that matters least (lowest priority, then the
+  most recently started, then the most uncached work). A preempted lane's KV is parked and held
+  by reference until it resumes, by import: it is never prefilled again while its entry lives.
+- **Idle KV leaves the engine.** A lane idle for `idle_park_seconds` is parked and its cells
+  freed; in a unified cache (where every forward reads every used cell) an idle lane is parked
+  as soon as another lane is generating.
+
+Everything here runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from engines.errors import EngineError
+from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
+from superfluid.errors import PinLimit, SuperfluidError
+from superfluid.lane import Live, Span
+from superfluid.log import Parked, SessionLog
+from superfluid.session import PRIORITIES
+from superfluid.stats import Counters
+
+INTERACTIVE = PRIORITIES.index("interactive")
+
+
+class Source(NamedTuple):
+    """Where a lane can start from: a live lane holding a prefix of its tokens (and how many), and
+    the pool's longest cached prefix."""
+
+    lane: Live | None
+    lane_tokens: int
+    match: PrefixMatch | None
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the pool's match covers (0: none)."""
+        return self.match.tokens if self.match is not None else 0
+
+    @property
+    def forks(self) -> bool:
+        """True when the live lane holds at least as much as the pool: fork it rather than import."""
+        return self.lane is not None and self.lane_tokens > 0 and self.lane_tokens >= self.pool_tokens
+
+
+class KVManager:
+    """Placement, admission, swap, idle parking and pins of one engine's sessions."""
+
+    def __init__(self, engine: Any, pool: Pool, log: SessionLog, counters: Counters, *, decode_reserve: int,
+                 idle_park_seconds: float | None, watermarks: tuple[float, float], max_pinned_fraction: float,
+                 order: Callable[[], int]) -> None:
+        self.engine, self.pool, self.log, self.counters = engine, pool, log, counters
+        self.descriptor = engine.describe()
+        self.cells_total = self.descriptor.kv_cells or self.descriptor.context_length
+        self.unified = self.descriptor.unified_cells
+        self.max_sequences = self.descriptor.packing.max_sequences
+        self.decode_reserve, self.idle_park_seconds = decode_reserve, idle_park_seconds
+        self.high_watermark, self.low_watermark = watermarks
+        self.max_pinned_fraction = max_pinned_fraction
+        self.order = order
+        self.lanes: list[Live] = []  # sessions holding an engine sequence
+        self._groups = itertools.count(1)
+
+    # ----------------------------------------------------------------------------- cells
+
+    def cells_used(self) -> int:
+        """Cells the engine's lanes hold now (a span shared by forks counted once)."""
+        reach: dict[int, tuple[int, int]] = {}
+        for live in self.lanes:
+            for span in live.spans():
+                start, end = reach.get(span.group, (span.start, span.end))
+                reach[span.group] = (start, max(end, span.end))
+        return sum(end - start for start, end in reach.values())
+
+    def cells_reserved(self) -> int:
+        """Cells admitted generations may still write: prompt not yet fed, and their decode reserve."""
+        return sum(max(live.job.reserved_to, len(live.state.tokens)) - live.kv
+                   for live in self.lanes if live.job is not None)
+
+    def cells_free(self) -> int:
+        """Cells neither used nor reserved."""
+        return self.cells_total - self.cells_used() - self.cells_reserved()
+
+    def reserve_for(self, live: Live) -> int:
+        """The decode reserve of `live`'s generation: cells for its first output tokens."""
+        return min(self.decode_reserve, max(0, live.job.max_tokens - 1))
+
+    # ----------------------------------------------------------------------------- admission
+
+    def source(self, live: Live) -> Source:
+        """The longest cached prefix of `live`'s tokens (all but the last, whose logits the next
+        step needs): a live lane holding it, and the pool's best match."""
+        tokens = live.state.tokens
+        want = len(tokens) - 1
+        lane, held = None, 0
+        for other in self.lanes:
+            if other is not live:
+                common = common_prefix(other.state.tokens[:other.kv], tokens, want)
+                if common > held:
+                    lane, held = other, common
+        match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
+        return Source(lane, held, match)
+
+    def cells_needed(self, live: Live, source: Source) -> int:
+        """New cells `live` takes if it starts from `source`: what it does not share, and its reserve
+        (never more than the engine has, so a session that fits alone always starts)."""
+        shared = source.lane_tokens if source.forks and self.unified else 0
+        return min(len(live.state.tokens) - shared + self.reserve_for(live), self.cells_total)
+
+    def admit(self, live: Live, source: Source) -> bool:
+        """Give waiting `live` a lane holding the prefix `source` offers, making room by swap if
+        need be. False when it must wait (the cells or sequences are taken by what matters as
+        much). EngineError when the engine refuses it (the lane is freed again)."""
+        if not self._make_room(live, self.cells_needed(live, source)):
+            return False
+        if source.lane is not None and source.lane.seq is None:
+            source = self.source(live)  # the lane it would fork was parked to make room
+        try:
+            self._restore(live, source)
+        except EngineError:
+            if live.seq is not None:
+                self._close(live)
+            raise
+        live.job.admitted = live.last_used = self.order()
+        live.job.reserved_to = len(live.state.tokens) + self.reserve_for(live)
+        return True
+
+    def _make_room(self, live: Live, cells: int) -> bool:
+        while len(self.lanes) >= self.max_sequences or self.cells_free() < cells:
+            if self.park_least_recent_idle():
+                continue
+            victim = self._victim_for(live)
+            if victim is None:
+                return False
+            self.preempt(victim)
+        return True
+
+    def _victim_for(self, live: Live) -> Live | None:
+        """The lane an interactive arrival may preempt: the least urgent of a less urgent class."""
+        if live.job.priority != INTERACTIVE:
+            return None
+        running = [other for other in self.lanes if other.job is not None and other.job.priority > live.job.priority]
+        return max(running, key=self.unimportance, default=None)
+
+    @staticmethod
+    def unimportance(live: Live) -> tuple:
+        """Preemption order: lowest priority, then most recently started, then most uncached work."""
+        return live.job.priority, live.job.admitted, live.pending
+
+    def victim_for_growth(self, exclude: set) -> Live | None:
+        """The running lane that matters least, of those not in `exclude`."""
+        running = [other for other in self.lanes if other.job is not None and other not in exclude]
+        return max(running, key=self.unimportance, default=None)
+
+    # ----------------------------------------------------------------------------- restoring
+
+    def _restore(self, live: Live, source: Source) -> None:
+        """Give `live` a sequence holding the prefix `source` offers: a fork of a live lane when
+        it holds at least as much as the pool, else the pool entry imported (one copy)."""
+        if source.forks:
+            self._open(live, self.engine.fork(source.lane.seq), source.lane.kv, source.lane)
+            if live.kv > source.lane_tokens:
+                try:
+                    self.truncate(live, source.lane_tokens)
+                except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
+                    self._close(live)
+        if live.seq is None:
+            self._open(live, self.engine.new_sequence(), 0)
+            if source.pool_tokens > 0:
+                self._open(live, live.seq, self._import(live, source.match.entry_id, source.pool_tokens))
+        self.release_held(live)
+
+    def _import(self, live: Live, entry: int, keep: int) -> int:
+        """Import pool entry `entry` into `live`'s sequence, cut to `keep` tokens; the tokens held
+        after (0 when the entry was corrupt, gone or refused: those tokens are prefilled)."""
+        try:
+            with self.pool.get(entry, verify=False) as view:
+                restored = self.engine.import_(live.seq, view)
+        except (DataCorrupt, PoolError, EngineError) as exc:
+            self.counters.import_failures += 1
+            if isinstance(exc, DataCorrupt):
+                try:
+                    self.pool.evict(entry)  # nobody should start from it again
+                except PoolError:
+                    pass  # held elsewhere: the pool counts it corrupt, its holders will find out
+            return 0
+        self.counters.imports += 1
+        if restored > keep:
+            try:
+                self.engine.truncate(live.seq, keep)
+            except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
+                self.engine.free_sequence(live.seq)
+                live.seq = self.engine.new_sequence()
+                return 0
+        return min(restored, keep)
+
+    # ----------------------------------------------------------------------------- lanes
+
+    def _open(self, live: Live, seq: int, kv: int, parent: Live | None = None) -> None:
+        """`live` holds sequence `seq` with `kv` positions: borrowed from `parent` where forks
+        share cells, else cells of its own."""
+        if live not in self.lanes:
+            self.lanes.append(live)
+        live.seq, live.kv = seq, kv
+        if parent is not None and self.unified:
+            live.borrowed = [Span(s.group, s.start, min(s.end, kv)) for s in parent.spans() if s.start < kv]
+            live.own = Span(next(self._groups), kv, kv)
+        else:
+            live.borrowed, live.own = [], Span(next(self._groups), 0, 0)
+
+    def _close(self, live: Live) -> None:
+        self.engine.free_sequence(live.seq)
+        self.lanes.remove(live)
+        live.seq, live.kv, live.borrowed = None, 0, []
+
+    def fork(self, parent: Live, child: Live) -> None:
+        """Start `child` where `parent` is: an engine fork of its lane where a sequence (and, if
+        forks copy, the cells) are free, else the parent's parked KV by reference."""
+        cells = 0 if self.unified else parent.kv
+        if parent.seq is not None and len(self.lanes) < self.max_sequences and self.cells_free() >= cells:
+            self._open(child, self.engine.fork(parent.seq), parent.kv, parent)
+        elif parent.entry is not None and parent.state.parked is not None:
+            child.entry = parent.entry  # the same parked KV: nothing copied, nothing referenced
+            self.log.append(Parked(child.state.id, *parent.state.parked))
+
+    def truncate(self, live: Live, tokens: int) -> None:
+        """Cut `live`'s lane to its first `tokens` positions (EngineError from a cache that
+        cannot be cut back)."""
+        self.engine.truncate(live.seq, tokens)
+        live.kv = tokens
+        live.borrowed = [Span(s.group, s.start, min(s.end, tokens)) for s in live.borrowed if s.start < tokens]
+        if live.own.start >= tokens:
+            live.own = Span(next(self._groups), tokens, tokens)
+
+    def cut(self, live: Live, tokens: int) -> None:
+        """Keep at most `tokens` positions in `live`'s lane; a cache that cannot be cut back loses
+        its lane (the log has the tokens)."""
+        if live.seq is None or live.kv <= tokens:
+            return
+        try:
+            self.truncate(live, tokens)
+        except EngineError:
+            self._close(live)
+
+    def drop(self, live: Live) -> None:
+        """Free `live`'s lane and everything it holds in the pool (a deleted session)."""
+        if live.seq is not None:
+            self._close(live)
+        self.release_held(live)
+        self.hold(live, None)
+
+    def resync(self, live: Live) -> None:
+        """After a step the engine refused part-way: `live.kv` from what the engine holds."""
+        live.kv = self.engine.length(live.seq)
+        if live.own.start > live.kv:
+            self.truncate(live, live.kv)
+
+    # ----------------------------------------------------------------------------- parking
+
+    def park(self, live: Live, *, keep_lane: bool, hold: bool = False) -> None:
+        """Export the lane's KV into the pool (logged as Parked); free its sequence unless
+        `keep_lane`; keep a reference to the entry while swapped out if `hold`."""
+        if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
+            live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
+            try:
+                info = self.engine.export(live.seq, self.pool, live.state.tokens[:live.kv],
+                                          tag=f"session:{live.state.id}")
+            except (PoolError, EngineError):
+                self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
+                info = None
+            if info is not None:
+                self.counters.exports += 1
+                self.hold(live, info.id)
+                self.pool.release(info.id)  # cached, not held: see hold()
+                self.log.append(Parked(live.state.id, info.id, live.kv))
+        if hold and live.held is None and self._parked_as_is(live):
+            self.pool.share(live.entry)
+            live.held = live.entry
+        if not keep_lane and live.seq is not None:
+            self._close(live)
+
+    def preempt(self, live: Live) -> None:
+        """Swap a running lane out: its KV parked and held, its generation waiting to resume."""
+        self.park(live, keep_lane=False, hold=True)
+        self.counters.preemptions += 1
+
+    def park_least_recent_idle(self, exclude: set | frozenset = frozenset()) -> bool:
+        """Park the least recently used idle lane; False when there is none."""
+        idle = [live for live in self.lanes if live.job is None and live not in exclude]
+        if not idle:
+            return False
+        self.park(min(idle, key=lambda live: live.last_used), keep_lane=False)
+        self.counters.idle_parks += 1
+        return True
+
+    def park_idle(self, now: float, generating: bool) -> None:
+        """Park the lanes idle past `idle_park_seconds`, and in a unified cache every idle lane
+        while others are generating (each forward would read their cells)."""
+        for live in [live for live in self.lanes if live.job is None]:
+            expired = self.idle_park_seconds is not None and now - live.idle_since >= self.idle_park_seconds
+            if expired or (generating and self.unified):
+                self.park(live, keep_lane=False)
+                self.counters.idle_parks += 1
+
+    def _parked_as_is(self, live: Live) -> bool:
+        """True when the pool still holds the session's KV as its lane holds it now."""
+        if live.entry is None or live.state.parked is None or live.state.parked[1] != live.kv:
+            return False
+        try:
+            self.pool.info(live.entry)
+        except PoolError:
+            return False  # evicted since
+        return True
+
+    def release_held(self, live: Live) -> None:
+        """Drop the reference a swapped-out lane held on its parked entry."""
+        if live.held is not None:
+            try:
+                self.pool.release(live.held)
+            except PoolError:
+                pass  # gone already
+            live.held = None
+
+    def hold(self, live: Live, entry: int | None) -> None:
+        """Make `entry` the session's parked KV. Sessions hold no reference to it, so under
+        pressure it is evicted by cost like any cached entry (the session then prefills from its
+        log); only a pinned session's entry stays, and its pin moves to each new park. (A
+        swapped-out generation holds a reference of its own until it resumes.)"""
+        if live.pinned and entry is not None:
+            self.pool.pin(entry)
+        if live.pinned and live.entry is not None:
+            try:
+                self.pool.unpin(live.entry)
+            except PoolError:
+                pass  # already gone
+        live.entry = entry
+        if entry is None:
+            live.pinned = False
+
+    def pin(self, live: Live) -> int:
+        """Park `live`'s KV as it is now and pin it (PinLimit past the cap); the bytes pinned."""
+        if live.pinned:
+            return self.pool.info(live.entry).stored_bytes
+        self.park(live, keep_lane=True)
+        if live.entry is None:
+            raise SuperfluidError(f"session {live.state.id!r} has no KV to pin yet (nothing was prefilled, or the "
+                                  "pool had no room); generate first")
+        budget, size = self.pool.stats().budget_bytes, self.pool.info(live.entry).stored_bytes
+        cap, pinned = int(self.max_pinned_fraction * budget), self.pool.pinned_bytes()
+        if pinned + size > cap:
+            raise PinLimit(f"pinning session {live.state.id!r} ({size} bytes) would pin {pinned + size} bytes, over "
+                           f"the cap of {cap} ({self.max_pinned_fraction:.0%} of the pool's budget); unpin other "
+                           "sessions or raise max_pinned_fraction")
+        self.pool.pin(live.entry)
+        live.pinned = True
+        return size
+
+    def unpin(self, live: Live) -> None:
+        """Let `live`'s parked KV be evicted again under pressure."""
+        if live.pinned:
+            live.pinned = False
+            try:
+                self.pool.unpin(live.entry)
+            except PoolError:
+                pass  # already gone
+
+    def relieve_pressure(self) -> int:
+        """Past the high watermark, evict cached entries nobody holds down to the low one."""
+        used, budget = self.pool.usage()
+        if used <= self.high_watermark * budget:
+            return 0
+        return self.pool.shed(int(self.low_watermark * budget))
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many tokens `a` and `b` share at their start, up to `limit`."""
+    common = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        common += 1
+    return common

@@ -1,0 +1,85 @@
+"""A session's place in the scheduler: its logged state, the generation it runs, and the engine
+sequence and cells that hold its KV.
+
+A lane's engine sequence holds the KV of its session's first `kv` tokens; the tokens after that
+(at least the last one: the next forward needs its logits) are fed by the next steps:
+
+    state.tokens   [t0 t1 t2 ............ t(kv-1) | t(kv) ... t(n-1)]
+                    <-------- in the lane -------->  <-- to be fed -->
+
+Cells are counted by *span*: a run of positions written once into the engine's cache. A fork in
+a unified cache shares its parent's spans (the same cells, tagged with one more sequence), so
+cells used = for each span, the furthest any lane reaches into it:
+
+    parent   [==== span A ====][== span B ==]
+    child    [==== span A ====][= C =]          A is counted once: A + B + C cells in use
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from superfluid import sampling as sampler
+from superfluid.log import SessionState
+from superfluid.session import Generation
+from superfluid.stream import TextStream
+
+
+class Span(NamedTuple):
+    """Positions [start, end) of a lane that live in cells written under `group`."""
+
+    group: int
+    start: int
+    end: int
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: what it asked for and where it is."""
+
+    generation: Generation
+    max_tokens: int
+    sampling: sampler.Sampling
+    stream: TextStream
+    deadline: float | None
+    priority: int
+    arrival: int  # order of arrival (the clock of the scheduler's commands)
+    queued_at: float  # when it began waiting (for max_wait_seconds)
+    fed_at_arrival: int  # tokens the engine had been fed when it arrived: its age, for short-first with aging
+    first: int = 0  # position of the first token this generation produces
+    keep_logits: bool = False
+    ignore_eos: bool = False
+    produced: int = 0
+    prefilled: int = 0  # tokens this generation fed before its output
+    started: bool = False  # admitted at least once (prompt counters set, the client told)
+    admitted: int = 0  # the clock when it last got a lane: the most recently started is preempted first
+    reserved_to: int = 0  # the position up to which its cells were reserved at admission
+
+
+@dataclass(eq=False)
+class Live:
+    """The scheduler's side of a session: its logged state, and its lane in the engine if any."""
+
+    state: SessionState
+    seq: int | None = None
+    kv: int = 0  # state.tokens[:kv] are in the engine sequence
+    entry: int | None = None  # the pool entry holding its parked KV (if not evicted since)
+    held: int | None = None  # a pool entry this lane holds a reference to while it is swapped out
+    job: Job | None = None
+    last_used: int = 0  # the clock of the last thing it did (least recently used is parked first)
+    idle_since: float = 0.0  # when its last generation ended (for idle parking)
+    since_park: int = 0  # tokens committed since the last export
+    pinned: bool = False  # its parked KV is pinned in the pool (the pin moves with each new park)
+    borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
+    own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
+
+    @property
+    def pending(self) -> int:
+        """Tokens committed but not yet fed to the engine."""
+        return len(self.state.tokens) - self.kv
+
+    def spans(self) -> list[Span]:
+        """Every span of cells this lane's sequence holds, in position order."""
+        own = Span(self.own.group, self.own.start, self.kv)
+        return [*self.borrowed, own] if own.end > own.start else list(self.borrowed)

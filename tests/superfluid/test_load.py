@@ -1,0 +1,255 @@
+"""More work than the engine holds, on an engine of a fixed number of cells (tests/cellengine.py):
+admission by cells, swap through the pool, idle lanes leaving the engine, short prompts first,
+interactive preemption, and a bounded wait queue. Fast and deterministic: nothing here depends
+on how fast the machine is.
+
+Every prompt's KV is a hash chain over its tokens and the logits follow from it, so "the same
+tokens as alone" means every swap, fork and restore put back exactly the right state.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from superfluid import ContextFull, Host
+from superfluid.errors import Overloaded
+from tests.cellengine import CellEngine
+from tests.conftest import remove_segment, unique_pool_name
+
+
+@pytest.fixture
+def cell_host(tmp_path):
+    """cell_host(cells, **host options) -> (host, engine): a Host on a CellEngine of that many cells."""
+    opened = []
+
+    def make(cells: int = 4096, *, max_sequences: int = 16, **options):
+        engines = []
+
+        def factory():
+            engines.append(CellEngine(cells, max_sequences=max_sequences))
+            return engines[0]
+
+        name = unique_pool_name()
+        options = {"idle_park_seconds": None, "pool_bytes": 32 << 20, **options}
+        host = Host("cell-engine", engine_factory=factory, pool_name=name,
+                    log_dir=tmp_path / f"log-{len(opened)}", **options)
+        opened.append((host, name))
+        return host, engines[0]
+
+    yield make
+    for host, name in opened:
+        host.close()
+        remove_segment(name)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    """A prompt of `length` tokens that shares no prefix with prompt(j) for j != i (i < 64)."""
+    return [i] + [(i * 7 + j * 13) % 64 for j in range(1, length)]
+
+
+def start(host, prompts, **generate):
+    """A session per prompt, all generations queued in one scheduler command (so none starts
+    before the last is queued). Each entry is a Generation, or the Overloaded it was refused with."""
+    sessions = [host.session(temperature=0.8, seed=i) for i in range(len(prompts))]
+    for session, tokens in zip(sessions, prompts):
+        session.append_tokens(tokens)
+
+    def queue_all():
+        out = []
+        for session in sessions:
+            try:
+                out.append(host.commands.generate(session.id, generate.get("max_tokens", 16), (), None, {}, False,
+                                                  True, generate.get("priority")))
+            except Overloaded as exc:
+                out.append(exc)
+        return out
+
+    return sessions, host.call(queue_all)
+
+
+def alone(cell_host, prompts, max_tokens):
+    """What each prompt generates on an idle engine of ample cells, one at a time."""
+    host, _ = cell_host(cells=1 << 16)
+    out = []
+    for i, tokens in enumerate(prompts):
+        s = host.session(temperature=0.8, seed=i)
+        s.append_tokens(tokens)
+        g = s.generate(max_tokens=max_tokens, ignore_eos=True)
+        g.collect()
+        out.append(g.tokens)
+    return out
+
+
+def test_eight_long_prompts_on_4096_cells_all_finish_as_they_would_alone(cell_host):
+    host, engine = cell_host(cells=4096)
+    prompts = [prompt(i, 1800) for i in range(8)]
+    _, generations = start(host, prompts, max_tokens=300)
+    for g in generations:
+        g.collect()
+        assert g.finish_reason == "length"
+    assert [g.tokens for g in generations] == alone(cell_host, prompts, 300)
+    stats = host.stats()
+    assert stats.preemptions >= 1 and stats.imports >= stats.preemptions  # lanes were swapped out and back in
+    assert stats.prefill_tokens == 8 * 1800  # a resumed lane re-prefills nothing
+    assert engine.peak_cells <= 4096
+
+
+def test_a_generation_waits_for_cells_instead_of_failing(cell_host):
+    host, engine = cell_host(cells=4096)
+    _, (first, second) = start(host, [prompt(0, 3000), prompt(1, 3000)], max_tokens=8)
+    assert host.stats().waiting == 1  # the second's 3,000 cells are not free: it waits
+    assert first.collect() is not None and second.collect() is not None
+    assert (first.finish_reason, second.finish_reason) == ("length", "length")
+    assert engine.peak_cells <= 4096 and host.stats().waiting == 0
+
+
+def test_a_full_wait_queue_refuses_before_anything_starts_and_serves_the_rest(cell_host):
+    host, _ = cell_host(cells=4096, max_waiting=8)
+    prompts = [prompt(i, 850) for i in range(32)]
+    _, outcomes = start(host, prompts, max_tokens=12)
+    refused = [o for o in outcomes if isinstance(o, Overloaded)]
+    served = [o for o in outcomes if not isinstance(o, Overloaded)]
+    assert len(served) == 8 and len(refused) == 24  # queued in one command: eight wait, the rest are refused
+    assert "max_waiting=8" in str(refused[0]) and refused[0].retry_after >= 1
+    for g in served:
+        assert g.collect() is not None and g.finish_reason == "length" and len(g.tokens) == 12
+    assert host.stats().rejected == 24
+    assert [g.tokens for g in served] == alone(cell_host, [prompts[i] for i, o in enumerate(outcomes)
+                                                           if o in served], 12)
+
+
+def test_a_generation_that_cannot_start_in_max_wait_seconds_is_refused_untouched(cell_host):
+    host, _ = cell_host(cells=4096, max_wait_seconds=0)
+    sessions, (cold,) = start(host, [prompt(0, 100)], max_tokens=4)
+    with pytest.raises(Overloaded, match="max_wait_seconds=0"):
+        next(iter(cold))
+    assert cold.tokens == [] and sessions[0].tokens == prompt(0, 100)  # nothing generated, nothing lost
+
+
+def test_an_interactive_arrival_preempts_and_the_preempted_lane_resumes_exactly(cell_host):
+    host, _ = cell_host(cells=4096)
+    prompts = [prompt(0, 1950), prompt(1, 1950)]
+    _, background = start(host, prompts, max_tokens=100, priority="background")
+    for g in background:
+        next(g)  # both run
+    urgent = host.session()
+    urgent.append_tokens(prompt(2, 100))
+    quick = urgent.generate(max_tokens=5, priority="interactive")
+    quick.collect()
+    assert quick.finish_reason == "length"
+    for g in background:
+        g.collect()
+    stats = host.stats()
+    assert stats.preemptions >= 1 and stats.prefill_tokens == 1950 * 2 + 100
+    assert [g.tokens for g in background] == alone(cell_host, prompts, 100)
+
+
+def test_a_default_arrival_waits_rather_than_preempting(cell_host):
+    host, _ = cell_host(cells=4096)
+    _, background = start(host, [prompt(0, 1950), prompt(1, 1950)], max_tokens=40, priority="background")
+    for g in background:
+        next(g)
+    late = host.session()
+    late.append_tokens(prompt(2, 100))
+    assert late.generate(max_tokens=3).collect() is not None
+    for g in background:
+        g.collect()
+    assert host.stats().preemptions == 0
+
+
+def test_a_short_prompt_overtakes_long_prefills(cell_host):
+    host, engine = cell_host(cells=1 << 15, prefill_budget=256)
+    prompts = [prompt(i, 1800) for i in range(4)] + [prompt(4, 20)]
+    sessions, generations = start(host, prompts, max_tokens=4)
+    for g in generations:
+        g.collect()
+    seq_of = {}  # the short prompt's sequence: the one fed exactly 20 tokens at once
+    first_step = engine.steps[0]
+    assert (first_step[0][1], sum(n for _, n in first_step)) == (20, 256)  # the short one first, whole
+    seq_of["short"] = first_step[0][0]
+    assert all(seq != seq_of["short"] for seq, _ in first_step[1:])
+
+
+def test_decode_is_never_held_back_by_prefill(cell_host):
+    host, engine = cell_host(cells=1 << 15, prefill_budget=128)
+    _, generations = start(host, [prompt(0, 10)] + [prompt(i, 1500) for i in (1, 2, 3)], max_tokens=60)
+    for g in generations:
+        g.collect()
+    seq = engine.steps[0][0][0]  # the short prompt goes first
+    carrying = [index for index, step in enumerate(engine.steps) if any(s == seq for s, _ in step)]
+    assert len(carrying) == 60 and carrying == list(range(carrying[0], carrying[0] + 60))  # every step while it ran
+    beside = [i for i in carrying if any(n > 1 for _, n in engine.steps[i])]
+    assert beside == carrying[:len(beside)] and len(beside) >= 30  # the 4,500 prompt tokens prefilled beside it
+
+
+def test_an_interactive_lane_runs_without_other_classes_prefill(cell_host):
+    host, engine = cell_host(cells=1 << 15, prefill_budget=128)
+    _, background = start(host, [prompt(i, 1500) for i in range(2)], max_tokens=2, priority="background")
+    urgent = host.session()
+    urgent.append_tokens(prompt(5, 10))
+    quick = urgent.generate(max_tokens=8, priority="interactive")
+    quick.collect()
+    for g in background:
+        g.collect()
+    sizes = {n for step in engine.steps for _, n in step}
+    urgent_steps = [step for step in engine.steps if (10 in [n for _, n in step])]
+    assert urgent_steps and 10 in sizes
+    seq = next(s for s, n in urgent_steps[0] if n == 10)
+    with_urgent = [step for step in engine.steps if any(s == seq for s, _ in step)]
+    assert all(n == 1 or s == seq for step in with_urgent for s, n in step)
+
+
+def test_idle_lanes_leave_the_engine_while_others_decode_and_come_back_by_import(cell_host):
+    host, engine = cell_host(cells=8192)
+    idle = []
+    for i in range(3):
+        s = host.session(seed=i)
+        s.append_tokens(prompt(i, 2000))
+        s.generate(max_tokens=3, ignore_eos=True).collect()
+        idle.append(s)
+    stats = host.stats()
+    assert (stats.lanes, stats.idle_parks) == (1, 2)  # each turn parked the one before; the last stays warm
+    active = host.session()
+    active.append_tokens(prompt(9, 10))
+    g = active.generate(max_tokens=20, ignore_eos=True)
+    next(g)
+    assert engine.cells_used() <= 10 + 20 + 64  # only the active lane's cells
+    g.collect()
+    stats = host.stats()
+    assert stats.idle_parks == 3 and stats.lanes == 1 and stats.parked_sessions == 3
+    before = host.stats().prefill_tokens
+    again = idle[0]
+    again.append_tokens([1, 2, 3])
+    turn = again.generate(max_tokens=2)
+    turn.collect()
+    # one import of the 2,002 tokens fed before; prefilled: the last reply token and the 3 new ones
+    assert turn.cached_tokens == 2002 and host.stats().prefill_tokens - before == 4
+    assert host.stats().imports == 1
+
+
+def test_a_lane_idle_past_idle_park_seconds_is_parked(cell_host):
+    host, engine = cell_host(cells=4096, idle_park_seconds=0)
+    s = host.session()
+    s.append_tokens(prompt(0, 300))
+    s.generate(max_tokens=2).collect()
+    deadline = time.monotonic() + 60
+    while host.stats().lanes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert host.stats().lanes == 0 and engine.cells_used() == 0 and host.stats().parked_sessions == 1
+
+
+def test_only_a_session_longer_than_every_cell_is_context_full(cell_host):
+    host, _ = cell_host(cells=1024)
+    s = host.session()
+    s.append_tokens(prompt(0, 1100))
+    with pytest.raises(ContextFull, match="at most 1024"):
+        s.generate(max_tokens=4)
+    fits = host.session()
+    fits.append_tokens(prompt(1, 1000))
+    others = host.session()
+    others.append_tokens(prompt(2, 1000))
+    a, b = fits.generate(max_tokens=4), others.generate(max_tokens=4)  # together they do not fit: one waits
+    assert a.collect() is not None and b.collect() is not None
+    assert (a.finish_reason, b.finish_reason) == ("length", "length")
