@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from engines.errors import EngineError
 from kvpool import EntryNotFound
@@ -21,6 +22,20 @@ from superfluid.scheduler import Scheduler
 from superfluid.session import PRIORITIES, Generation, SessionInfo
 from superfluid.stats import Counters, HostStats
 from superfluid.stream import TextStream
+
+
+@dataclass(frozen=True)
+class OneShot:
+    """A request that is its own session (an OpenAI chat or completion): what to put in it and
+    how to generate."""
+
+    sampling: dict
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    text: str | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: str | None = None
 
 
 class Commands:
@@ -160,6 +175,21 @@ class Commands:
                   ignore_eos=bool(ignore_eos))
         self.scheduler.enqueue(live, job)
         return generation
+
+    def start_one_shot(self, request: OneShot) -> tuple[str, Generation]:
+        """A new session holding `request`'s messages or text, generating; (its id, the generation).
+        On any refusal (Overloaded, ContextFull, a bad value) the session is deleted again."""
+        session_id = self.create(None, None, sampler.Sampling(**request.sampling), "default")
+        try:
+            for role, content in request.messages:
+                self.append_message(session_id, role, content)
+            if request.text is not None:
+                self.append_text(session_id, request.text)
+            return session_id, self.generate(session_id, request.max_tokens, list(request.stop), None, {},
+                                             ignore_eos=request.ignore_eos, priority=request.priority)
+        except BaseException:
+            self.delete(session_id)
+            raise
 
     def close_turn(self, live: Live, job: Job) -> None:
         """After a chat generation: the assistant's message, and the template's end-of-turn text."""

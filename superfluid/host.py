@@ -50,7 +50,7 @@ class Host:
                  publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
-                 max_wait_seconds: float | None = None, engine_factory: Callable[[], Engine] | None = None,
+                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.1, engine_factory: Callable[[], Engine] | None = None,
                  **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
         pool `pool_name`, replay the session log in `log_dir`. Runtime options are passed as
@@ -60,11 +60,13 @@ class Host:
         in the engine's free cells, else it waits; idle lanes are parked into the pool after
         `idle_park_seconds` (None: only when room is needed); beyond `max_waiting` generations
         waiting, or after `max_wait_seconds` without starting, a generation is refused with
-        Overloaded (None: no limit). `engine_factory` opens an engine that is not in the
+        Overloaded (None: no limit). Prefill is cut into chunks of at most `prefill_budget` tokens,
+        fewer where a step would last longer than `tick_seconds` (None: no time bound), since a
+        step is what every decoding lane and every new request waits for. `engine_factory` opens an engine that is not in the
         registry (an adapter of your own); `model` and `runtime` then only name it."""
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
-        policy = _policy(prefill_budget=prefill_budget, checkpoint_tokens=checkpoint_tokens,
+        policy = _policy(prefill_budget=prefill_budget, tick_seconds=tick_seconds, checkpoint_tokens=checkpoint_tokens,
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
                          max_wait_seconds=max_wait_seconds, watermarks=(high_watermark, low_watermark),
@@ -165,7 +167,7 @@ def _policy(**settings: Any) -> Policy:
             raise ValueError(f"{name}={value!r}: must be a whole number >= {0 if name == 'decode_reserve' else 1}")
     if settings["max_waiting"] is not None and (not isinstance(settings["max_waiting"], int) or settings["max_waiting"] < 0):
         raise ValueError(f"max_waiting={settings['max_waiting']!r}: must be a whole number >= 0, or None for no limit")
-    for name in ("idle_park_seconds", "max_wait_seconds"):
+    for name in ("idle_park_seconds", "max_wait_seconds", "tick_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
     low, high = settings["watermarks"][1], settings["watermarks"][0]

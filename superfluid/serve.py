@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without starting is answered 503 (default: 300)")
     parser.add_argument("--idle-park-seconds", type=float, default=5.0, help="an idle session's KV leaves the "
                         "engine for the pool after this long (default: 5)")
+    parser.add_argument("--on-context-full", choices=("stop", "error"), default="stop", help="a reply that reaches "
+                        "the context: stop (finish_reason length; the default) or error (a context_length_exceeded "
+                        "error, as an SSE error event in a stream)")
     parser.add_argument("--decode-reserve", type=int, default=64, help="KV cells a generation must find free "
                         "beyond its prompt to be admitted (default: 64)")
 
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                     log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
                     max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
                     decode_reserve=args.decode_reserve,
-                    on_context_full="stop",  # a reply that reaches the context ends with finish_reason "length"
+                    on_context_full=args.on_context_full,
                     **{f"{runtime}_{k}": v for k, v in options.items()})
     except (UsageError, ValueError) as exc:  # a flag's value the host refuses (it names the setting)
         print(f"superfluid serve: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from superfluid import api
 from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded, SessionBusy, SessionNotFound
+from superfluid.commands import OneShot
 from superfluid.host import Host
 
 MAX_BODY = 1 << 20  # bytes of request body
@@ -322,13 +323,8 @@ class Handler(BaseHTTPRequestHandler):
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
-        host = self.server.host
-        session = host.session(**api.sampling_of(request))
-        try:
-            self._append(session, request.messages)
-            self._generate(session, request, request.max_completion_tokens or request.max_tokens, chat=True)
-        finally:
-            host.retire(session.id)
+        messages = tuple(("system" if m.role == "developer" else m.role, api.text_of(m)) for m in request.messages)
+        self._one_shot(request, request.max_completion_tokens or request.max_tokens, chat=True, messages=messages)
 
     def _completions(self) -> None:
         request = api.decode(self._body(), api.CompletionRequest)
@@ -339,13 +335,21 @@ class Handler(BaseHTTPRequestHandler):
                 raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
                                    param="prompt")
             request.prompt = request.prompt[0]
+        self._one_shot(request, request.max_tokens, chat=False, text=request.prompt)
+
+    def _one_shot(self, request, max_tokens: int | None, *, chat: bool, messages: tuple = (),
+                  text: str | None = None) -> None:
+        """A request's own session: opened, filled and started in one scheduler command (a busy
+        engine answers commands between steps, so one wait instead of one per message), answered,
+        then retired into the pool for later requests with the same prefix."""
         host = self.server.host
-        session = host.session(**api.sampling_of(request))
+        one_shot = OneShot(api.sampling_of(request), messages, text, _max_tokens(max_tokens),
+                           tuple(api.stops_of(request)), request.ignore_eos, request.priority)
+        session_id, generation = host.call(host.commands.start_one_shot, one_shot)
         try:
-            session.append_text(request.prompt)
-            self._generate(session, request, request.max_tokens, chat=False)
+            self._answer(generation, request, chat)
         finally:
-            host.retire(session.id)
+            host.retire(session_id)
 
     # ----------------------------------------------------------------------------- session routes
 
@@ -383,8 +387,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _session_generate(self) -> None:
         request = api.decode(self._body(), api.SessionGenerate)
-        self._generate(self.server.host.session(id=self.session_id), request, request.max_tokens, chat=True,
-                       overrides=api.sampling_of(request))
+        session = self.server.host.session(id=self.session_id)
+        generation = session.generate(max_tokens=_max_tokens(request.max_tokens), stop=api.stops_of(request),
+                                      ignore_eos=request.ignore_eos, priority=request.priority,
+                                      **api.sampling_of(request))
+        self._answer(generation, request, chat=True)
 
     def _session_fork(self) -> int:
         child = self.server.host.session(id=self.session_id).fork()
@@ -397,13 +404,9 @@ class Handler(BaseHTTPRequestHandler):
 
     # ----------------------------------------------------------------------------- generating
 
-    def _generate(self, session, request, max_tokens: int | None, *, chat: bool, overrides: dict | None = None) -> None:
-        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+    def _answer(self, generation, request, chat: bool) -> None:
+        """Answer with `generation`: one JSON body, or server-sent events."""
         started = time.perf_counter()
-        generation = session.generate(max_tokens=max_tokens, stop=api.stops_of(request), ignore_eos=request.ignore_eos,
-                                      priority=request.priority, **(overrides or {}))
         pieces = iter(generation)
         try:
             # The status goes out with the first piece: a generation refused while it waited
@@ -466,6 +469,14 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             generation.cancel()  # the client went away: free its lane now
             raise
+
+
+def _max_tokens(value: int | None) -> int:
+    """A request's max_tokens (the default when absent); ApiError below 1."""
+    value = DEFAULT_MAX_TOKENS if value is None else value
+    if value < 1:
+        raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+    return value
 
 
 def _error_event(exc: BaseException) -> dict:
