@@ -17,7 +17,7 @@ from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate
 from superfluid.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
 from superfluid.lane import Job, Live
-from superfluid.log import Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
+from superfluid.log import Deleted, Opened, SessionLog, Tokens, Trimmed, Turn
 from superfluid.scheduler import Scheduler
 from superfluid.session import PRIORITIES, Generation, SessionInfo
 from superfluid.stats import Counters, HostStats

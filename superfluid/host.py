@@ -50,7 +50,7 @@ class Host:
                  publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
-                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.1, engine_factory: Callable[[], Engine] | None = None,
+                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.05, engine_factory: Callable[[], Engine] | None = None,
                  **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
         pool `pool_name`, replay the session log in `log_dir`. Runtime options are passed as

@@ -51,7 +51,7 @@ class Policy:
     """How the scheduler spends the engine (see Host for each setting's meaning)."""
 
     prefill_budget: int = 512
-    tick_seconds: float | None = 0.1
+    tick_seconds: float | None = 0.05
     checkpoint_tokens: int = 256
     publish_tokens: int = 256
     on_context_full: str = "error"

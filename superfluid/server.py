@@ -61,6 +61,9 @@ class Server(ThreadingHTTPServer):
     finish with [DONE]), and every request thread joined."""
 
     daemon_threads = False  # server_close() joins them: a stream in flight is finished, not cut
+    # Connections waiting to be accepted: the standard library's 5 overflows when a burst of
+    # clients connects at once, and the kernel then drops or resets some of their connections.
+    request_queue_size = 128
     block_on_close = True
 
     def __init__(self, host: Host, address: tuple[str, int], *, api_key: str | None = None,

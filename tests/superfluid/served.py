@@ -1,0 +1,62 @@
+"""`superfluid serve` as a child process, driven over HTTP (the openai client, or raw requests)."""
+
+import http.client
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import openai
+
+from tests.conftest import remove_segment, unique_pool_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Served:
+    """A `superfluid serve` child process; stopped with SIGTERM and its pool removed."""
+
+    def __init__(self, model, tmp_path, *extra: str, pool: str | None = None, exact: bool = True) -> None:
+        """`exact` pins llama.cpp's flash attention off (serve's default is on), so that replies
+        can be compared token for token across batch shapes and restarts."""
+        self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
+             "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"),
+             *([] if Path(model).is_dir() else ["--llamacpp-threads", "2"]),
+             *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
+             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={k: v for k, v in os.environ.items() if k != "SUPERFLUID_API_KEY"})
+        line = self.process.stdout.readline()
+        assert " on http://" in line, f"the server did not start: {line!r} {self.process.stderr.read()[-2000:]}"
+        self.url = line.split(" on ")[1].strip()
+        self.model = line.split("serving ")[1].split(" ")[0]
+        address = urlparse(self.url)
+        self.address = (address.hostname, address.port)
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        connection = http.client.HTTPConnection(*self.address, timeout=60)
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response.status, data
+
+    def metric(self, name: str) -> float:
+        _, text = self.raw("GET", "/metrics")
+        for line in text.decode().splitlines():
+            if line.startswith(f"superfluid_{name} "):
+                return float(line.split()[1])
+        raise AssertionError(f"no metric {name}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        remove_segment(self.pool)
+        return code
