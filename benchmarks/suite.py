@@ -14,7 +14,9 @@ Measured side by side in the same run, each a median with its range and a ratio 
 5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache)
    and against llama.cpp's own batched step alone (the bound);
 6. an interactive session's time to first token behind 8 background sessions, against idle;
-7. memory: the pool's bytes per cached token against the price it computed (they must agree).
+7. memory: the pool's bytes per cached token against the price it computed (they must agree);
+8. under load, against llama-cpp-python's server on 4,096 cells: decode beside 6 idle 2,000-token
+   sessions, a chat's first token behind 8 agents with 1,800-token prompts, 32 clients at once.
 
 Writes, into --out-dir (default docs/): benchmarks.json (the run, with the machine), benchmarks.png
 (the plot), and the tables into benchmarks.md between its markers. It then compares the ratios
@@ -36,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import decode_bound, host_ratios, report, restore, servers, ttft  # noqa: E402
+from benchmarks import decode_bound, host_ratios, load, report, restore, servers, ttft  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.regression import compare  # noqa: E402
 from engines import models  # noqa: E402
@@ -63,6 +65,7 @@ class Sizes:
     decode_repeat: int
     background: int
     interactive_repeat: int
+    load: load.LoadSizes
 
     def ttft_repeat(self, context: int) -> int:
         """Samples at one context length (the long ones cost minutes each on 2 cores)."""
@@ -72,15 +75,15 @@ class Sizes:
         """Progress-bar steps the run takes."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
         servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
-        return len(runtimes) * per_engine + servers + 2  # + the engine's decode bound, + interactive
+        return len(runtimes) * per_engine + servers + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
              ttft_repeat_long=2, burst_requests=16, burst_prefix=1000, burst_repeat=2, concurrency=(1, 2, 4, 8),
-             decode_tokens=128, decode_repeat=2, background=8, interactive_repeat=5)
+             decode_tokens=128, decode_repeat=2, background=8, interactive_repeat=5, load=load.FULL)
 QUICK = Sizes(lengths=(64, 128), restore_repeat=3, contexts=(64, 128), ttft_repeat_short=1, ttft_repeat_long=1,
               burst_requests=4, burst_prefix=128, burst_repeat=1, concurrency=(1, 2), decode_tokens=8, decode_repeat=1,
-              background=2, interactive_repeat=2)
+              background=2, interactive_repeat=2, load=load.QUICK)
 
 
 def last_committed(path: Path) -> dict | None:
@@ -135,6 +138,8 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress)
     finally:
         hosts.close()
     tick("interactive")
+    progress.set_description("under load")
+    load.bench(run, model, sizes.load, tick)
     return run
 
 

@@ -39,7 +39,7 @@ class Descriptor(msgspec.Struct, frozen=True):
     identity: str  # digest of the weights and every setting that changes what the KV means
     model_kv: ModelKV
     cell_price: int  # bytes of KV per token, from the model's shape and cache types
-    context_length: int  # cells in the engine's KV cache, all sequences together
+    context_length: int  # positions one sequence may hold (the model's context, within the cells)
     vocab_size: int
     packing: Packing
     device: Device

@@ -281,7 +281,8 @@ class Scheduler:
             if other is live or other.job is None or other.pending <= 1:
                 continue
             target = common_prefix(other.state.tokens, tokens, len(tokens) - 1)
-            if target > available + self.policy.prefill_budget // 4 and other.kv < target:
+            # Waiting costs nothing: the lanes would share the tick's prefill budget anyway.
+            if target > available + MIN_PREFILL_CHUNK and other.kv < target:
                 return True
         return False
 

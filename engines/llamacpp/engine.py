@@ -147,8 +147,15 @@ class LlamaCppEngine(Adapter):
         packing = Packing(mixes_prefill_and_decode=True, max_tokens=self._n_batch,
                           max_sequences=values["n_seq_max"], copies_on_lane_change=False)
         return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
-                          pricing.bytes_per_token(self._model_kv), self._n_ctx, self._n_vocab, packing, device,
+                          pricing.bytes_per_token(self._model_kv), self._context_length(), self._n_vocab, packing,
+                          device,
                           bos, eos, template.decode() if template else None, kv_cells=self._n_ctx, unified_cells=True)
+
+    def _context_length(self) -> int:
+        """Positions one sequence may hold: the cells, but never past the model's training
+        context (a cache sized for many sessions must not stretch one beyond what RoPE learned)."""
+        trained = self._api.llama_model_n_ctx_train(self._model)
+        return min(self._n_ctx, trained) if trained > 0 else self._n_ctx
 
     def _canary(self) -> None:
         """A multi-token batch through the model before anyone relies on it: a build that

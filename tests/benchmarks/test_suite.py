@@ -128,7 +128,7 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     for group in ("restore and share through the pool (llama.cpp)", "restore and share through the pool (MLX)",
                   "restore: ours against the engine's own cache (llama.cpp)",
                   "restore: ours against the engine's own cache (MLX)", suite.ttft.GROUP, suite.servers.BURST,
-                  suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY):
+                  suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP):
         assert grouped.get(group), f"nothing measured for {group!r}"
     for label, ratio in result["ratios"].items():
         assert ratio["value"] > 0 and ratio["low"] <= ratio["value"] <= ratio["high"], label
@@ -145,6 +145,10 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         assert notes[f"{server}: tokens generated in the decode runs (asked: 8 per request)"] == 8 * (1 + 2), server
     for engine in ("llama.cpp", "MLX"):
         assert len(notes[f"{engine} second-turn prompt tokens at 128"]) == 1
+    clients = notes[f"{suite.servers.OURS}: 4 clients at once"]
+    assert clients["served"] == 4 and set(clients) <= {"served", "refused", "seconds"}  # nothing else happened
+    under_load = dict(grouped[suite.load.GROUP])
+    assert under_load["4 clients at once, served: ours / theirs"]["value"] > 0
     bound = dict(grouped[suite.servers.DECODE])
     assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
     assert "decode tokens/s: the engine alone at 2 at once / at 1" in bound

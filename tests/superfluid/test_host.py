@@ -162,10 +162,15 @@ def test_calls_from_many_threads(open_host):
     def work(i):
         s = host.session()
         s.append_text(f"{PROMPT} {i}")
-        return s.complete(max_tokens=5)
+        generation = s.generate(max_tokens=5)
+        generation.collect()
+        return s, generation
 
     results = in_threads(work, 6)
-    assert all(isinstance(r, str) for r in results) and len(host.sessions()) == 6
+    assert len(host.sessions()) == 6
+    for s, generation in results:  # each thread got its own whole reply, committed to its own session
+        assert generation.finish_reason == "length" and len(generation.tokens) == 5
+        assert s.tokens[-5:] == generation.tokens and s.detokenize(s.tokens).startswith(PROMPT)
 
 
 def test_bad_calls_name_the_problem_and_change_nothing(open_host, runtime):

@@ -99,9 +99,11 @@ def test_eight_long_prompts_on_4096_cells_all_finish_as_they_would_alone(cell_ho
 def test_a_generation_waits_for_cells_instead_of_failing(cell_host):
     host, engine = cell_host(cells=4096)
     _, (first, second) = start(host, [prompt(0, 3000), prompt(1, 3000)], max_tokens=8)
-    assert host.stats().waiting == 1  # the second's 3,000 cells are not free: it waits
-    assert first.collect() is not None and second.collect() is not None
-    assert (first.finish_reason, second.finish_reason) == ("length", "length")
+    first.collect()
+    second.collect()
+    assert [(g.finish_reason, len(g.tokens)) for g in (first, second)] == [("length", 8), ("length", 8)]
+    seqs = [[i for i, step in enumerate(engine.steps) if any(s == seq for s, _ in step)] for seq in (0, 1)]
+    assert max(seqs[0]) < min(seqs[1])  # the second's 3,000 cells were not free: it waited for the first
     assert engine.peak_cells <= 4096 and host.stats().waiting == 0
 
 
@@ -114,7 +116,8 @@ def test_a_full_wait_queue_refuses_before_anything_starts_and_serves_the_rest(ce
     assert len(served) == 8 and len(refused) == 24  # queued in one command: eight wait, the rest are refused
     assert "max_waiting=8" in str(refused[0]) and refused[0].retry_after >= 1
     for g in served:
-        assert g.collect() is not None and g.finish_reason == "length" and len(g.tokens) == 12
+        g.collect()
+        assert g.finish_reason == "length" and len(g.tokens) == 12
     assert host.stats().rejected == 24
     assert [g.tokens for g in served] == alone(cell_host, [prompts[i] for i, o in enumerate(outcomes)
                                                            if o in served], 12)
@@ -153,7 +156,9 @@ def test_a_default_arrival_waits_rather_than_preempting(cell_host):
         next(g)
     late = host.session()
     late.append_tokens(prompt(2, 100))
-    assert late.generate(max_tokens=3).collect() is not None
+    reply = late.generate(max_tokens=3)
+    reply.collect()
+    assert len(reply.tokens) == 3
     for g in background:
         g.collect()
     assert host.stats().preemptions == 0
@@ -251,5 +256,6 @@ def test_only_a_session_longer_than_every_cell_is_context_full(cell_host):
     others = host.session()
     others.append_tokens(prompt(2, 1000))
     a, b = fits.generate(max_tokens=4), others.generate(max_tokens=4)  # together they do not fit: one waits
-    assert a.collect() is not None and b.collect() is not None
-    assert (a.finish_reason, b.finish_reason) == ("length", "length")
+    a.collect()
+    b.collect()
+    assert [(g.finish_reason, len(g.tokens)) for g in (a, b)] == [("length", 4), ("length", 4)]

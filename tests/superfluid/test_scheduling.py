@@ -51,13 +51,16 @@ def test_a_default_arrival_waits_for_a_lane_instead_of_preempting(open_host, run
         s = host.session(priority="background", seed=seed)
         s.append_text(PROMPT)
         running.append(s.generate(max_tokens=400, ignore_eos=True))
+    for generation in running:
+        next(generation)  # both lanes hold the engine's two sequences
     waiting = host.session()
     waiting.append_text("Hello")
     late = waiting.generate(max_tokens=3)
     late.collect()
     for generation in running:
         generation.collect()
-    assert host.stats().preemptions == 0 and late.finish_reason == "length"
+    assert host.stats().preemptions == 0 and late.finish_reason == "length" and len(late.tokens) == 3
+    assert all(len(g.tokens) == 400 for g in running)  # neither was cut short for it
 
 
 def test_a_stop_string_spanning_tokens_ends_the_generation_before_it(open_host):
@@ -89,7 +92,9 @@ def test_cancelling_mid_stream_frees_the_lane_at_once(open_host, runtime):
         other = host.session(seed=seed)
         other.append_text("Hello")
         others.append(other.generate(max_tokens=2))
-    assert [g.collect() is not None and g.finish_reason for g in others] == ["length", "length"]
+    for g in others:
+        g.collect()
+    assert [(g.finish_reason, len(g.tokens)) for g in others] == [("length", 2), ("length", 2)]
 
 
 @pytest.mark.parametrize("policy", ["tick", "commit", "never"])

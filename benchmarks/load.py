@@ -1,0 +1,194 @@
+"""More work than the engine holds: `superfluid serve` against llama-cpp-python's server, each
+driven with the openai client in its own child process, one after the other, both on 4,096 cells.
+
+1. idle sessions: decode tokens/s of a short request on an empty server, and again once
+   `sessions` others have each run a long turn and gone idle (ours: session routes, so the
+   sessions live on; theirs: completions). Ours parks idle KV out of the engine: goal >= 0.9.
+2. agents and a chat: a one-line chat's time to first token on the idle server, and while
+   `agents` requests with long prompts are being served (ours: the chat asks for priority
+   "interactive"; theirs serves one request at a time). Goal: at most 2x idle, read as
+   idle / loaded >= 0.5.
+3. clients at once: `clients` streamed chats with long prompts sent together; how many were
+   served, refused before their stream (503) or failed otherwise, and the time until the last.
+
+    .venv/bin/python benchmarks/load.py [--quick]   # prints the figures and ratios
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import servers  # noqa: E402
+from benchmarks.harness import Run  # noqa: E402
+from benchmarks.texts import text_of  # noqa: E402
+
+GROUP = "under load: ours against llama-cpp-python's server"
+N_CTX = 4096
+CHATS = ["What is the capital of France?", "Which river runs through Rome?", "How many legs has a spider?",
+         "Where is Mount Fuji?", "What colour is the sky?", "Who wrote Hamlet?"]
+
+
+@dataclass(frozen=True)
+class LoadSizes:
+    """How big each load shape is."""
+
+    sessions: int  # idle sessions beside the short one
+    session_tokens: int
+    decode_tokens: int
+    agents: int
+    agent_tokens: int
+    chats: int  # chat samples, idle and loaded each
+    clients: int
+    client_tokens: int
+
+
+FULL = LoadSizes(sessions=6, session_tokens=2000, decode_tokens=128, agents=8, agent_tokens=1800, chats=3,
+                 clients=32, client_tokens=850)
+QUICK = LoadSizes(sessions=2, session_tokens=200, decode_tokens=16, agents=2, agent_tokens=200, chats=1, clients=4,
+                  client_tokens=100)
+
+
+def decode_rate(served: servers.Served, tokens: int, salt: int) -> float:
+    """Generated tokens/s of one short completion of exactly `tokens` tokens."""
+    start = time.perf_counter()
+    produced = served.complete(text_of(32, salt=salt), tokens)
+    return produced / (time.perf_counter() - start)
+
+
+def go_idle(served: servers.Served, count: int, tokens: int) -> None:
+    """`count` conversations, each one long turn, left idle."""
+    for i in range(count):
+        system = text_of(tokens, salt=500 + i)
+        if served.label == servers.OURS:  # a session that lives on after its turn
+            session = served.client.post("/sessions", cast_to=dict, body={"messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": "Go on."}]})
+            served.client.post(f"/sessions/{session['id']}/generate", cast_to=dict, body={"max_tokens": 4})
+        else:
+            served.client.chat.completions.create(model=served.model, max_tokens=4, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": "Go on."}])
+
+
+def first_token(served: servers.Served, system: str, question: str) -> float:
+    """Seconds until the first text of a streamed one-line chat."""
+    extra = {"priority": "interactive"} if served.label == servers.OURS else {}
+    start = time.perf_counter()
+    stream = served.client.chat.completions.create(model=served.model, max_tokens=8, stream=True, extra_body=extra,
+                                                   messages=[{"role": "system", "content": system},
+                                                             {"role": "user", "content": question}])
+    seconds = None
+    for chunk in stream:
+        if seconds is None and chunk.choices and chunk.choices[0].delta.content:
+            seconds = time.perf_counter() - start
+    return seconds if seconds is not None else time.perf_counter() - start
+
+
+def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
+    """A chat's first token idle, then behind `agents` long requests."""
+    idle = [first_token(served, f"Be brief, {i}.", CHATS[i % len(CHATS)]) for i in range(sizes.chats)]
+
+    def agent(i: int) -> None:
+        served.client.chat.completions.create(model=served.model, max_tokens=16, messages=[
+            {"role": "system", "content": text_of(sizes.agent_tokens, salt=i)}, {"role": "user", "content": "Sum up."}])
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(sizes.agents)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    loaded = [first_token(served, f"Answer shortly, {i}.", CHATS[-1 - i % len(CHATS)]) for i in range(sizes.chats)]
+    for thread in threads:
+        thread.join()
+    run.record(f"{served.label}: chat first token, idle", idle)
+    run.record(f"{served.label}: chat first token behind {sizes.agents} agents", loaded)
+
+
+def clients_at_once(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
+    """`clients` streamed chats sent together: served, refused (503 before the stream), failed."""
+
+    def one(i: int) -> str:
+        try:
+            stream = served.client.chat.completions.create(model=served.model, max_tokens=8, stream=True, messages=[
+                {"role": "system", "content": text_of(sizes.client_tokens, salt=200 + i)},
+                {"role": "user", "content": "Go on."}])
+            chunks = list(stream)
+        except openai.APIStatusError as exc:
+            return "refused" if exc.status_code == 503 else f"failed: HTTP {exc.status_code} {exc.message[:80]}"
+        except openai.APIError as exc:
+            return f"failed: {type(exc).__name__}"
+        finished = chunks and chunks[-1].choices and chunks[-1].choices[0].finish_reason
+        return "served" if finished else "failed: a stream without its end"
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(sizes.clients) as workers:
+        outcomes = list(workers.map(one, range(sizes.clients)))
+    seconds = time.perf_counter() - start
+    run.record(f"{served.label}: {sizes.clients} clients at once, served", [outcomes.count("served")], unit="requests")
+    run.note(f"{served.label}: {sizes.clients} clients at once",
+             {k: outcomes.count(k) for k in sorted(set(outcomes))} | {"seconds": round(seconds, 1)})
+
+
+def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) -> None:
+    """The three shapes on each server, then the ratios."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for start in (lambda: servers.start_ours(model, N_CTX, scratch),
+                      lambda: servers.start_theirs(model, N_CTX, cache=False)):
+            served = start()
+            try:
+                served.complete(text_of(32, salt=999), 4)  # one-time costs go here
+                empty = [decode_rate(served, sizes.decode_tokens, salt) for salt in (1, 2)]
+                go_idle(served, sizes.sessions, sizes.session_tokens)
+                loaded = [decode_rate(served, sizes.decode_tokens, salt) for salt in (3, 4)]
+                run.record(f"{served.label}: decode tokens/s, empty", empty, unit="tok/s")
+                run.record(f"{served.label}: decode tokens/s beside {sizes.sessions} idle sessions", loaded,
+                           unit="tok/s")
+                tick(f"{served.label}: idle sessions")
+                agents_and_chat(run, served, sizes)
+                tick(f"{served.label}: agents and a chat")
+                clients_at_once(run, served, sizes)
+                tick(f"{served.label}: {sizes.clients} clients")
+            finally:
+                served.stop()
+    for side in (servers.OURS, servers.THEIRS):
+        run.ratio(f"{side}: decode beside {sizes.sessions} idle sessions / empty",
+                  ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
+                  baseline=f"{side}: decode tokens/s, empty", group=GROUP, goal=0.9 if side == servers.OURS else None)
+        run.ratio(f"{side}: chat first token, idle / behind {sizes.agents} agents",
+                  ours=f"{side}: chat first token behind {sizes.agents} agents",
+                  baseline=f"{side}: chat first token, idle", group=GROUP, goal=0.5 if side == servers.OURS else None)
+    run.ratio(f"chat first token behind {sizes.agents} agents: theirs / ours",
+              ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
+              baseline=f"{servers.THEIRS}: chat first token behind {sizes.agents} agents", group=GROUP, goal=1)
+    run.ratio(f"{sizes.clients} clients at once, served: ours / theirs",
+              ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
+              baseline=f"{servers.THEIRS}: {sizes.clients} clients at once, served", group=GROUP, goal=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: SmolLM2-135M-Instruct from PyPI)")
+    args = parser.parse_args(argv)
+    from engines import models
+
+    model = args.model or models.default_model(progress=print)
+    run = Run("bench-load")
+    bench(run, Path(model), QUICK if args.quick else FULL, tick=lambda step: print(step, flush=True))
+    print(run.table())
+    for key, value in run.notes.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
