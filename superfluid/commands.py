@@ -162,16 +162,18 @@ class Commands:
             raise ContextFull(f"session {session_id!r} holds {total} tokens with the assistant's opening; the engine "
                               f"holds at most {limit} for one session; trim it or start a new session")
         self.scheduler.check_capacity(live)
+        opened_at = len(live.state.tokens)
         if opening:  # only once the generation is sure to start
             self.scheduler.commit(live, opening)
         tokens = live.state.tokens
         self.kv.cut(live, len(tokens) - 1)  # the last token's logits are needed
         generation = Generation(session_id)
         generation._alive = self.scheduler.alive
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self.scheduler.clock() + timeout
         job = Job(generation, max_tokens, settings, TextStream(stop), deadline,
                   PRIORITIES.index(priority or live.state.priority), self.scheduler.next_order(),
-                  self.scheduler.clock(), self.scheduler.fed, first=len(tokens), keep_logits=bool(keep_logits),
+                  self.scheduler.clock(), self.scheduler.fed, first=len(tokens), opened_at=opened_at,
+                  keep_logits=bool(keep_logits),
                   ignore_eos=bool(ignore_eos))
         self.scheduler.enqueue(live, job)
         return generation

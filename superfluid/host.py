@@ -165,8 +165,8 @@ def _policy(**settings: Any) -> Policy:
         value = settings[name]
         if not isinstance(value, int) or value < (0 if name == "decode_reserve" else 1):
             raise ValueError(f"{name}={value!r}: must be a whole number >= {0 if name == 'decode_reserve' else 1}")
-    if settings["max_waiting"] is not None and (not isinstance(settings["max_waiting"], int) or settings["max_waiting"] < 0):
-        raise ValueError(f"max_waiting={settings['max_waiting']!r}: must be a whole number >= 0, or None for no limit")
+    if settings["max_waiting"] is not None and (not isinstance(settings["max_waiting"], int) or settings["max_waiting"] < 1):
+        raise ValueError(f"max_waiting={settings['max_waiting']!r}: must be a whole number >= 1, or None for no limit")
     for name in ("idle_park_seconds", "max_wait_seconds", "tick_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")

@@ -123,7 +123,7 @@ class KVManager:
         """Give waiting `live` a lane holding the prefix `source` offers, making room by swap if
         need be. False when it must wait (the cells or sequences are taken by what matters as
         much). EngineError when the engine refuses it (the lane is freed again)."""
-        if not self._make_room(live, self.cells_needed(live, source)):
+        if not self._make_room(live, self.cells_needed(live, source), source.lane if source.forks else None):
             return False
         if source.lane is not None and source.lane.seq is None:
             source = self.source(live)  # the lane it would fork was parked to make room
@@ -137,22 +137,36 @@ class KVManager:
         live.job.reserved_to = len(live.state.tokens) + self.reserve_for(live)
         return True
 
-    def _make_room(self, live: Live, cells: int) -> bool:
+    def _make_room(self, live: Live, cells: int, keep: Live | None) -> bool:
+        """Park idle lanes (not `keep`, the lane to fork), then preempt, until `cells` and a
+        sequence are free; nothing is moved unless that is enough."""
+        idle = [other for other in self.lanes if other.job is None and other is not keep]
+        victims = self._victims_for(live)
+        freeable = sum(self._own_cells(other) for other in idle + victims)
+        freeable_seqs = len(idle) + len(victims)
+        if (self.cells_free() + freeable < cells
+                or len(self.lanes) - freeable_seqs >= self.max_sequences):
+            return False
         while len(self.lanes) >= self.max_sequences or self.cells_free() < cells:
-            if self.park_least_recent_idle():
+            if self.park_least_recent_idle(exclude={keep}):
                 continue
-            victim = self._victim_for(live)
-            if victim is None:
+            if not victims:  # shared cells freed less than counted
                 return False
-            self.preempt(victim)
+            self.preempt(victims.pop(0))
         return True
 
-    def _victim_for(self, live: Live) -> Live | None:
-        """The lane an interactive arrival may preempt: the least urgent of a less urgent class."""
+    def _own_cells(self, live: Live) -> int:
+        """Cells freed by taking `live` out of the engine: those it wrote, and its reservation."""
+        reserved = max(live.job.reserved_to, len(live.state.tokens)) - live.kv if live.job is not None else 0
+        return live.kv - live.own.start + reserved
+
+    def _victims_for(self, live: Live) -> list[Live]:
+        """The lanes an interactive arrival may preempt, least urgent first: those of a less
+        urgent class."""
         if live.job.priority != INTERACTIVE:
-            return None
+            return []
         running = [other for other in self.lanes if other.job is not None and other.job.priority > live.job.priority]
-        return max(running, key=self.unimportance, default=None)
+        return sorted(running, key=self.unimportance, reverse=True)
 
     @staticmethod
     def unimportance(live: Live) -> tuple:
@@ -191,6 +205,7 @@ class KVManager:
         except (DataCorrupt, PoolError, EngineError) as exc:
             self.counters.import_failures += 1
             if isinstance(exc, DataCorrupt):
+                self.release_held(live)  # its own reference must not keep a corrupt entry alive
                 try:
                     self.pool.evict(entry)  # nobody should start from it again
                 except PoolError:
@@ -239,10 +254,10 @@ class KVManager:
         """Cut `live`'s lane to its first `tokens` positions (EngineError from a cache that
         cannot be cut back)."""
         self.engine.truncate(live.seq, tokens)
-        live.kv = tokens
-        live.borrowed = [Span(s.group, s.start, min(s.end, tokens)) for s in live.borrowed if s.start < tokens]
-        if live.own.start >= tokens:
-            live.own = Span(next(self._groups), tokens, tokens)
+        # What is kept becomes borrowed, and later writes go to new cells: a fork may still hold
+        # the cells past the cut, so they are not this lane's to write again.
+        kept = [Span(s.group, s.start, min(s.end, tokens)) for s in live.spans() if s.start < tokens]
+        live.kv, live.borrowed, live.own = tokens, kept, Span(next(self._groups), tokens, tokens)
 
     def cut(self, live: Live, tokens: int) -> None:
         """Keep at most `tokens` positions in `live`'s lane; a cache that cannot be cut back loses
@@ -263,9 +278,15 @@ class KVManager:
 
     def resync(self, live: Live) -> None:
         """After a step the engine refused part-way: `live.kv` from what the engine holds."""
-        live.kv = self.engine.length(live.seq)
-        if live.own.start > live.kv:
-            self.truncate(live, live.kv)
+        held = self.engine.length(live.seq)
+        if held < live.kv or held >= len(live.state.tokens):
+            # cells gone, or the last token fed without its logits: feed it again next step
+            try:
+                self.truncate(live, min(held, len(live.state.tokens) - 1))
+            except EngineError:
+                self._close(live)
+        else:
+            live.kv = held
 
     # ----------------------------------------------------------------------------- parking
 

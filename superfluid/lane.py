@@ -48,6 +48,7 @@ class Job:
     queued_at: float  # when it began waiting (for max_wait_seconds)
     fed_at_arrival: int  # tokens the engine had been fed when it arrived: its age, for short-first with aging
     first: int = 0  # position of the first token this generation produces
+    opened_at: int = 0  # the session's length before the generation committed its assistant opening
     keep_logits: bool = False
     ignore_eos: bool = False
     produced: int = 0

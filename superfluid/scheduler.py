@@ -5,10 +5,11 @@ Every public call reaches it as a command (a callable and its arguments, answere
 
     1. run the commands that arrived (appends, new generations, forks, trims, deletes)
     2. end cancelled and timed-out generations; refuse those that waited past max_wait_seconds
-    3. park idle lanes (the KV manager: past idle_park_seconds, or at once in a unified cache)
-    4. admit waiting generations, most urgent first: by priority class, then the least uncached
+    3. admit waiting generations, most urgent first: by priority class, then the least uncached
        prompt (aged, so a long prompt cannot starve); each gets a lane holding its longest cached
        prefix when its cells fit, else it waits (swap makes room where the class allows)
+    4. park idle lanes (the KV manager: past idle_park_seconds, or at once in a unified cache
+       while others generate), after admission so that a waiting generation may fork them first
     5. one packed step: a decode token for every decoding lane (never held back by prefill), then
        prefill chunks, most urgent first, within the tick's token budget (cut so a step lasts about
        tick_seconds) and the free cells; while an interactive lane runs, other classes' prefill waits
@@ -34,7 +35,7 @@ from superfluid import sampling as sampler
 from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
 from superfluid.kv import INTERACTIVE, KVManager, common_prefix
 from superfluid.lane import Job, Live
-from superfluid.log import SessionLog, Tokens
+from superfluid.log import SessionLog, Tokens, Trimmed
 from superfluid.session import Piece
 from superfluid.stats import Counters
 
@@ -198,12 +199,18 @@ class Scheduler:
                              " retry shortly, or raise max_waiting", retry_after=1)
 
     def enqueue(self, live: Live, job: Job) -> None:
-        """Give `live` the generation `job`: it starts at once on a warm lane, else waits."""
+        """Give `live` the generation `job`: it starts at once on a warm lane whose new tokens and
+        reserve fit in the free cells, else it waits (a warm lane that does not fit is parked and
+        admitted like any other, by import)."""
         live.job = job
-        if live.seq is not None:  # its own lane is warm: its KV is the cached prefix
+        if live.seq is None:
+            return
+        if self.kv.cells_free() >= live.pending + self.kv.reserve_for(live):
             job.admitted = live.last_used = self.next_order()
             job.reserved_to = len(live.state.tokens) + self.kv.reserve_for(live)
             self._started(live)
+        else:
+            self.kv.park(live, keep_lane=False)
 
     def _started(self, live: Live) -> None:
         job = live.job
@@ -224,8 +231,8 @@ class Scheduler:
         """End, park, admit, step, sample, commit, stream, checkpoint, sync."""
         now = self.clock()
         self._end_cancelled_and_late(now)
-        self.kv.park_idle(now, generating=True)
-        self._admit()
+        self._admit()  # first: a waiting generation may fork an idle lane
+        self.kv.park_idle(now, generating=any(live.job is not None for live in self.kv.lanes))
         decode, prefill = self._plan()
         if not decode and not prefill:
             return
@@ -233,7 +240,9 @@ class Scheduler:
             self._step(decode + prefill)
         else:
             self._step(decode)
-            self._step(prefill)
+            # the decode step may have preempted or ended a lane planned for prefill
+            self._step([(live, request) for live, request in prefill
+                        if live.job is not None and live.seq == request.seq])
         self.kv.relieve_pressure()
         self.log.sync()
         if self.log.should_compact():
@@ -280,6 +289,8 @@ class Scheduler:
         for other in self.kv.lanes:
             if other is live or other.job is None or other.pending <= 1:
                 continue
+            if other.job.priority > live.job.priority:  # its prefill may wait behind ours: do not wait on it
+                continue
             target = common_prefix(other.state.tokens, tokens, len(tokens) - 1)
             # Waiting costs nothing: the lanes would share the tick's prefill budget anyway.
             if target > available + MIN_PREFILL_CHUNK and other.kv < target:
@@ -294,7 +305,8 @@ class Scheduler:
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         interactive = any(live.job.priority == INTERACTIVE for live in lanes)
-        budget, prefill = min(self.prefill_tokens(), room - len(decode)), []
+        step_limit = self.descriptor.packing.max_tokens - len(decode)  # what one step may carry
+        budget, prefill = min(self.prefill_tokens(), room - len(decode), step_limit), []
         for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
             if budget <= 0:
                 break
@@ -312,7 +324,7 @@ class Scheduler:
         budget, target = self.policy.prefill_budget, self.policy.tick_seconds
         if target is None or self.seconds_per_token is None:
             return budget
-        return max(MIN_PREFILL_CHUNK, min(budget, int(target / self.seconds_per_token)))
+        return min(budget, max(MIN_PREFILL_CHUNK, int(target / self.seconds_per_token)))
 
     def _room_for_step(self, lanes: list[Live]) -> int:
         """Free cells for this step: at least one per decoding lane (and one for prefill when none
@@ -430,7 +442,11 @@ class Scheduler:
         if rest:
             job.generation._put(Piece(rest, -1))
         self.counters.generations += 1
-        if self.after_generation is not None:  # also after an error: the transcript stays whole
+        if not job.started:  # it never ran: the session is as it was before it asked
+            if len(live.state.tokens) > job.opened_at:
+                self.kv.cut(live, job.opened_at)
+                self.log.append(Trimmed(live.state.id, job.opened_at))
+        elif self.after_generation is not None:  # also after an error: the transcript stays whole
             try:
                 self.after_generation(live, job)
             except Exception as exc:  # a template that cannot close the turn: the tokens are kept

@@ -160,6 +160,7 @@ class Handler(BaseHTTPRequestHandler):
         self.session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
         route = "/".join(parts[:3] + ["*"] + parts[4:]) if self.session_id is not None else path
         status = 500
+        self.responded = False  # once a status line went out, an error may not write another
         try:
             handler = routes.get(route)
             if handler is None:
@@ -167,26 +168,21 @@ class Handler(BaseHTTPRequestHandler):
             if route != "/health":
                 self._authorize()
             status = handler() or 200
-        except api.ApiError as exc:
-            status = exc.status
-            self._json(exc.status, exc.body())
-        except (SessionBusy, SessionNotFound, ContextFull) as exc:
-            status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
-            self._json(status, api.ApiError(status, str(exc)).body())
-        except Overloaded as exc:  # before any byte of a response: the client may retry
-            status = 503
-            self._json(503, api.ApiError(503, str(exc), kind="server_error", code="overloaded").body(),
-                       {"Retry-After": str(exc.retry_after)})
-        except HostClosed as exc:
-            status = 503
-            self._json(503, api.ApiError(503, str(exc), kind="server_error").body())
         except (BrokenPipeError, ConnectionResetError):
             status = 499  # the client went away
-        except Exception as exc:  # a defect: the client hears of it, the server goes on
-            status = 500
-            self._json(500, api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body())
+        except Exception as exc:  # noqa: BLE001 - every error is answered, and the server goes on
+            status, body, headers = _error_response(exc)
+            if self.responded:  # too late for a status: the connection ends instead
+                self.close_connection = True
+            else:
+                self._json(status, body, headers)
         finally:
             self.server.metrics.count(route, status)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        """The status line (and the note that one went out)."""
+        self.responded = True
+        super().send_response(code, message)
 
     def _authorize(self) -> None:
         key = self.server.api_key
@@ -352,7 +348,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._answer(generation, request, chat)
         finally:
-            host.retire(session_id)
+            try:
+                host.retire(session_id)
+            except (HostClosed, SessionNotFound):
+                pass  # the host closed under it (its close parked the lane), or a client deleted it
 
     # ----------------------------------------------------------------------------- session routes
 
@@ -480,6 +479,22 @@ def _max_tokens(value: int | None) -> int:
     if value < 1:
         raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
     return value
+
+
+def _error_response(exc: BaseException) -> tuple[int, dict, dict | None]:
+    """(status, OpenAI-style body, extra headers) for an error before the response began."""
+    if isinstance(exc, api.ApiError):
+        return exc.status, exc.body(), None
+    if isinstance(exc, (SessionBusy, SessionNotFound, ContextFull)):
+        status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
+        return status, api.ApiError(status, str(exc)).body(), None
+    if isinstance(exc, Overloaded):  # before any byte of a response: the client may retry
+        return 503, api.ApiError(503, str(exc), kind="server_error", code="overloaded").body(), \
+            {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, HostClosed):
+        return 503, api.ApiError(503, str(exc), kind="server_error").body(), None
+    # a defect: the client hears of it, the server goes on
+    return 500, api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(), None
 
 
 def _error_event(exc: BaseException) -> dict:

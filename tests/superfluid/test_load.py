@@ -259,3 +259,42 @@ def test_only_a_session_longer_than_every_cell_is_context_full(cell_host):
     a.collect()
     b.collect()
     assert [(g.finish_reason, len(g.tokens)) for g in (a, b)] == [("length", 4), ("length", 4)]
+
+
+def check_cells(host, engine) -> None:
+    """The KV manager counts exactly the cells the engine holds (forks' shared cells once)."""
+    assert host.stats().cells_used == engine.cells_used()
+
+
+def test_cells_are_counted_exactly_through_forks_trims_and_imports(cell_host):
+    host, engine = cell_host(cells=4096)
+    parent = host.session(seed=1)
+    parent.append_tokens(prompt(0, 100))
+    parent.generate(max_tokens=4).collect()
+    child = parent.fork()  # shares the parent's cells
+    check_cells(host, engine)
+    parent.trim(50)  # the child still holds the cells past 50
+    check_cells(host, engine)
+    for s in (parent, child):
+        s.append_tokens(prompt(1, 30))
+        s.generate(max_tokens=20).collect()
+        check_cells(host, engine)
+    grandchild = child.fork()
+    grandchild.trim(10)
+    grandchild.append_tokens(prompt(2, 200))
+    grandchild.generate(max_tokens=5).collect()
+    check_cells(host, engine)
+    host.retire(parent.id)  # parked, its cells freed; the forks keep theirs
+    check_cells(host, engine)
+
+
+def test_every_load_story_ends_with_the_cells_counted_as_the_engine_holds_them(cell_host):
+    host, engine = cell_host(cells=4096)
+    _, generations = start(host, [prompt(i, 1200) for i in range(6)], max_tokens=120)
+    urgent = host.session()
+    urgent.append_tokens(prompt(9, 50))
+    quick = urgent.generate(max_tokens=3, priority="interactive")
+    for g in [*generations, quick]:
+        g.collect()
+    check_cells(host, engine)
+    assert host.stats().cells_reserved == 0

@@ -20,13 +20,28 @@ def test_a_cancelled_generation_frees_the_session_for_the_next_call_at_once(open
     assert first.finish_reason == "cancelled" and len(first.tokens) < 100_000
 
 
-def test_a_chat_turn_is_closed_even_when_its_generation_fails(open_host):
+def test_a_generation_that_never_started_leaves_the_chat_as_it_was(open_host):
     host = open_host()
     s = host.session(system="Be brief.")
     s.append_user("Hi")
-    generation = s.generate(max_tokens=100_000, timeout=1e-6)  # out of time before its first token
+    before = s.tokens
+    generation = s.generate(max_tokens=100_000, timeout=1e-6)  # out of time before it could start
     with pytest.raises(TimeoutError):
         generation.collect()
+    assert generation.tokens == [] and s.tokens == before  # its assistant opening is taken back
+    assert [m["role"] for m in s.messages] == ["system", "user"]
+    s.append_user("Again")
+    assert s.detokenize(s.tokens).endswith("Hi<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n")
+
+
+def test_a_chat_turn_is_closed_even_when_its_generation_fails_after_starting(open_host):
+    host = open_host()
+    s = host.session(system="Be brief.")
+    s.append_user("Hi")
+    generation = s.generate(max_tokens=100_000, ignore_eos=True)
+    next(generation)  # it runs
+    generation.cancel()
+    generation.collect()
     assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
     s.append_user("Again")
     assert s.detokenize(s.tokens).endswith("<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n")
