@@ -164,11 +164,15 @@ def test_exit_codes(tiny_models, tmp_path):
     assert done.returncode == 3 and "failed to load" in done.stderr
     done = serve_exit(model, "--pool-bytes", str(1 << 50))
     assert done.returncode == 3 and "GiB of memory available" in done.stderr
+    busy_pool = unique_pool_name()
     with socket.socket() as taken:  # a port another process holds: the server cannot listen (exit 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        done = serve_exit(model, "--port", str(taken.getsockname()[1]), "--pool-name", unique_pool_name(),
-                          "--log-dir", str(tmp_path / "log-busy"))
+        try:
+            done = serve_exit(model, "--port", str(taken.getsockname()[1]), "--pool-name", busy_pool,
+                              "--log-dir", str(tmp_path / "log-busy"))
+        finally:
+            remove_segment(busy_pool)  # it created its pool before it found the port taken, and kept it
         assert done.returncode == 1 and "cannot listen" in done.stderr
     (tmp_path / "not-a-model").mkdir()
     done = serve_exit(str(tmp_path / "not-a-model"))
