@@ -32,7 +32,9 @@ def open_host(runtime, model_for, tmp_path):
     def make(*, pool_name: str | None = None, log_dir=None, **options) -> Host:
         chosen = pool_name or name
         names.add(chosen)
-        options = {"pool_bytes": 64 << 20, **DEFAULTS[runtime], **options}
+        # No parking by the clock: a lane idle past idle_park_seconds on a slow machine would add
+        # an export between two reads of the statistics (tests/superfluid/test_load.py tests it).
+        options = {"pool_bytes": 64 << 20, "idle_park_seconds": None, **DEFAULTS[runtime], **options}
         host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, log_dir=log_dir or tmp_path / "log",
                     **options)
         opened.append(host)

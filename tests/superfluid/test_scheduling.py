@@ -156,3 +156,30 @@ def test_on_a_quantized_model_a_preempted_lane_keeps_its_rng_aligned_and_its_log
             host.close()
         for name in names:
             remove_segment(name)
+
+
+def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_host, runtime, tmp_path):
+    """Four prompts on an engine whose cells hold two and a half of them: they wait, swap through
+    the pool and resume, and each generates what it generates alone (both runtimes: llama.cpp's
+    unified cache, MLX's caches by the cell price)."""
+    prompts = [(f"{i} {PROMPT} {PROMPT} {PROMPT}", i + 1) for i in range(4)]
+    expected = reference_tokens(open_host, runtime, prompts, tmp_path, max_tokens=40, ignore_eos=True)
+    counter = open_host(pool_name=f"count-{runtime}", log_dir=tmp_path / "count-log")
+    longest = 0
+    for text, _ in prompts:
+        s = counter.session()
+        s.append_text(text)
+        longest = max(longest, len(s.tokens))
+    cells = int(2.5 * (longest + 40 + 64))  # prompt, reply and decode reserve: two and a half fit
+    host = open_host(**({"llamacpp_n_ctx": cells} if runtime == "llamacpp" else {"mlx_kv_cells": cells}))
+    assert cells <= host.stats().cells_total < cells + 256  # llama.cpp may round its cache up
+    generations = []
+    for text, seed in prompts:
+        s = host.session(temperature=0.8, seed=seed)
+        s.append_text(text)
+        generations.append(s.generate(max_tokens=40, ignore_eos=True))
+    for g in generations:
+        g.collect()
+    assert [g.tokens for g in generations] == expected
+    stats = host.stats()
+    assert stats.cells_used <= cells and stats.waiting == 0
