@@ -22,7 +22,7 @@ from engines.llamacpp import library as llamacpp_library
 
 # How each runtime's library is installed: extra packages beside it, and the build environment.
 INSTALL_EXTRAS = {"mlx": ["mlx[cpu]==0.32.4"] if sys.platform.startswith("linux") else ["mlx==0.32.4"]}
-BUILD_ENV = {"llamacpp": {"CMAKE_ARGS": llamacpp_library.BUILD_FLAGS}}  # a portable build (FACTS.md)
+BUILD_ENV = {"llamacpp": {"CMAKE_ARGS": llamacpp_library.BUILD_FLAGS}}  # portable: the native build uses AMX, which these VMs refuse
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 

@@ -3,7 +3,8 @@ unified KV cache, and their state moved to and from the pool with exactly one co
 
 Everything here calls llama.cpp from the thread that created the engine and from no other: on
 the portable build a second calling thread makes every decode step about three times slower
-(FACTS.md). Calls from another thread raise WrongThread.
+(measured: 31 ms a SmolLM2 step instead of 10.7, through OpenMP). Calls from another thread raise
+WrongThread.
 """
 
 from __future__ import annotations

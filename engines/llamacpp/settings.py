@@ -116,7 +116,7 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -
         if field in fields:
             setattr(params, field, values[option])
     # One cache for every sequence: a fork tags cells instead of copying a stream, and n_ctx is
-    # one budget. Without it a partial cross-stream seq_cp aborts the process (FACTS.md).
+    # one budget. Without it a partial cross-stream seq_cp aborts the process (a GGML_ASSERT).
     params.kv_unified = True
     if "flash_attn_type" in fields:  # newer releases: an enum with "auto"; never auto here
         params.flash_attn_type = 1 if values["flash_attn"] else 0

@@ -5,7 +5,7 @@ groups of 32) and its metadata. The tensors are renamed to the Hugging Face name
 expects, the config comes from the metadata with `rope_traditional: true` (GGUF stores llama's
 Q and K for interleaved RoPE), and the tokenizer is rebuilt from the GGUF vocabulary and merges.
 Quantized weights are dequantized to float32 when the `dequantize` option says so: MLX's quantized matmul does not use
-BLAS and is slow on a CPU (FACTS.md).
+BLAS and is slow on a CPU (measured: a 2,000-token SmolLM2 prefill, 134 s 4-bit against 22 s float32).
 """
 
 from __future__ import annotations
