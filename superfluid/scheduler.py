@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter  # a step's duration (the tests time their fake engine's steps here)
 from typing import Any, TypeVar
 
 from engines.base import StepRequest
@@ -43,7 +44,15 @@ IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
-MIN_PREFILL_CHUNK = 16  # below this a CPU prefill step loses more than 15% of its speed
+# The fewest tokens a prefill step takes. Small chunks cost prefill speed: on SmolLM2 with flash
+# attention on 2 cores, 1,800 tokens prefill at 251 tok/s in chunks of 512, 166 of 32, 160 of 16
+# and 150 of 8. But a step is what an arrival waits for, and past ~1,200 tokens of context a
+# 16-token step took 130 ms, an 8-token one 69 ms: 8 keeps the tick's promise for 6% of speed.
+MIN_PREFILL_CHUNK = 8
+# An interactive prompt up to this long is prefilled in one step whatever the tick says: split into
+# tick-sized chunks, a one-line chat's ~20 tokens took two steps at long context (16 + 3 tokens),
+# each reading every weight, and its first token came ~20 ms later on SmolLM2 here.
+INTERACTIVE_WHOLE_PROMPT = 64
 T = TypeVar("T")
 
 
@@ -305,22 +314,31 @@ class Scheduler:
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         interactive = any(live.job.priority == INTERACTIVE for live in lanes)
-        step_limit = self.descriptor.packing.max_tokens - len(decode)  # what one step may carry
-        budget, prefill = min(self.prefill_tokens(), room - len(decode), step_limit), []
+        # what one step can carry (the engine's batch, the free cells), and what the tick allows
+        limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
+        budget = self.prefill_tokens()
+        if interactive:
+            budget = max(budget, INTERACTIVE_WHOLE_PROMPT)
+        budget, prefill = min(budget, limit), []
         for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
             if budget <= 0:
                 break
             if interactive and live.job.priority != INTERACTIVE:
                 continue  # an interactive lane's steps carry no other class's prefill
-            chunk = live.state.tokens[live.kv:live.kv + budget]
+            take = min(budget, live.pending)
+            if live.pending - take < MIN_PREFILL_CHUNK:  # no runt tail: a step for a few tokens costs a whole one
+                take = min(live.pending, limit)
+            chunk = live.state.tokens[live.kv:live.kv + take]
             budget -= len(chunk)
+            limit -= len(chunk)
             prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
         return decode, prefill
 
     def prefill_tokens(self) -> int:
         """Prefill tokens for this tick: the budget, cut so a step lasts about tick_seconds at the
-        measured cost per token. Prefill chunks of 32 tokens run at ~95% of the speed of 512 on a
-        CPU, and a tick is what a new request, a command and every decoding lane wait for."""
+        measured cost per token (never below MIN_PREFILL_CHUNK). A tick is what a new request, a
+        command and every decoding lane wait for; the price is prefill speed at long context
+        (about two thirds of the speed of 512-token chunks, measured on a CPU)."""
         budget, target = self.policy.prefill_budget, self.policy.tick_seconds
         if target is None or self.seconds_per_token is None:
             return budget
@@ -359,13 +377,13 @@ class Scheduler:
     def _step(self, requests: list) -> None:
         if not requests:
             return
-        began = time.perf_counter()
+        began = perf_counter()
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
             self._no_room([live for live, _ in requests])
             return
-        self._measure(requests, time.perf_counter() - began)
+        self._measure(requests, perf_counter() - began)
         for (live, request), logits in zip(requests, results):
             fed = len(request.tokens)
             live.kv += fed

@@ -34,8 +34,12 @@ def chain(previous: int, token: int) -> int:
 class CellEngine:
     """The Engine protocol over `cells` token positions shared by up to `max_sequences` sequences."""
 
-    def __init__(self, cells: int = 4096, *, max_sequences: int = 16, vocab: int = 64, eos: tuple[int, ...] = ()):
+    def __init__(self, cells: int = 4096, *, max_sequences: int = 16, vocab: int = 64, eos: tuple[int, ...] = (),
+                 step_seconds: tuple[float, float] = (0.0, 0.0)):
         self.cells, self.vocab = cells, vocab
+        # A simulated clock for tests of time-bound planning: each step advances it by a fixed cost
+        # (reading the weights) plus a cost per token fed, as a CPU forward does.
+        self.step_seconds, self.now = step_seconds, 0.0
         self._seqs: dict[int, list[int]] = {}  # sequence -> the cell at each of its positions
         self._token: dict[int, int] = {}  # cell -> token
         self._hash: dict[int, int] = {}  # cell -> running hash up to and including its token
@@ -125,6 +129,7 @@ class CellEngine:
         if self.cells_used() + needed > self.cells:
             raise NoRoom(f"{needed} tokens do not fit: {self.cells - self.cells_used()} of {self.cells} cells free")
         self.steps.append([(r.seq, len(r.tokens)) for r in requests])
+        self.now += self.step_seconds[0] + self.step_seconds[1] * needed
         results = []
         for request in requests:
             self._write(request.seq, request.tokens)

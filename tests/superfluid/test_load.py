@@ -14,6 +14,7 @@ import time
 import pytest
 
 from superfluid import ContextFull, Host
+from superfluid import scheduler
 from superfluid.errors import Overloaded
 from tests.cellengine import CellEngine
 from tests.conftest import remove_segment, unique_pool_name
@@ -24,11 +25,11 @@ def cell_host(tmp_path):
     """cell_host(cells, **host options) -> (host, engine): a Host on a CellEngine of that many cells."""
     opened = []
 
-    def make(cells: int = 4096, *, max_sequences: int = 16, **options):
+    def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0), **options):
         engines = []
 
         def factory():
-            engines.append(CellEngine(cells, max_sequences=max_sequences))
+            engines.append(CellEngine(cells, max_sequences=max_sequences, step_seconds=step_seconds))
             return engines[0]
 
         name = unique_pool_name()
@@ -175,6 +176,46 @@ def test_a_short_prompt_overtakes_long_prefills(cell_host):
     assert (first_step[0][1], sum(n for _, n in first_step)) == (20, 256)  # the short one first, whole
     seq_of["short"] = first_step[0][0]
     assert all(seq != seq_of["short"] for seq, _ in first_step[1:])
+
+
+def on_simulated_time(monkeypatch, engine) -> None:
+    """Time the scheduler's steps by the engine's simulated clock (deterministic costs)."""
+    monkeypatch.setattr(scheduler, "perf_counter", lambda: engine.now)
+
+
+def test_slow_steps_cut_prefill_to_the_tick_without_a_runt_tail(cell_host, monkeypatch):
+    # 5 ms a token: a 50 ms tick holds 10 tokens
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), tick_seconds=0.05)
+    on_simulated_time(monkeypatch, engine)
+    _, generations = start(host, [prompt(0, 1003)], max_tokens=2)
+    generations[0].collect()
+    # unmeasured, the first step takes the whole budget; then 10 at a time, and the last 11 together
+    assert [step[0][1] for step in engine.steps] == [512] + [10] * 48 + [11, 1]
+
+
+def test_the_tick_never_cuts_prefill_below_the_smallest_chunk(cell_host, monkeypatch):
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), tick_seconds=0.05)  # 1 token a tick
+    on_simulated_time(monkeypatch, engine)
+    _, generations = start(host, [prompt(0, 600)], max_tokens=1)
+    generations[0].collect()
+    assert [step[0][1] for step in engine.steps] == [512] + [scheduler.MIN_PREFILL_CHUNK] * 11
+
+
+def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), tick_seconds=0.05)
+    on_simulated_time(monkeypatch, engine)
+    start(host, [prompt(0, 600)], max_tokens=1)[1][0].collect()  # the cost is measured: 16-token chunks
+    sessions = [host.session() for _ in range(3)]
+    for session, tokens in zip(sessions, [prompt(1, 1500), prompt(2, 1500), prompt(3, 40)]):
+        session.append_tokens(tokens)
+    queued = len(engine.steps)
+    generations = host.call(lambda: [host.commands.generate(s.id, 2, (), None, {}, False, True, priority)
+                                     for s, priority in zip(sessions, ["background", "background", "interactive"])])
+    for g in generations:
+        g.collect()
+    after = engine.steps[queued:]
+    assert [n for _, n in after[0]] == [40]  # the chat first, whole, alone
+    assert all(n <= 10 + 7 for step in after[2:] for _, n in step)  # the long ones still tick-sized
 
 
 def test_decode_is_never_held_back_by_prefill(cell_host):
