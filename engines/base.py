@@ -31,6 +31,56 @@ class Packing(msgspec.Struct, frozen=True):
     copies_on_lane_change: bool  # a sequence joining or leaving a batch copies KV
 
 
+MEMORY_KINDS = ("kv", "iswa", "recurrent", "hybrid", "hybrid-iswa")
+
+
+class Memory(msgspec.Struct, frozen=True):
+    """How a model's memory holds a sequence, and so what can be done with it.
+
+        kv           plain attention: every position kept; cut back anywhere, forks share cells
+        iswa         attention with a sliding window on some layers: those keep only the last
+                     `window` positions, so a cut back needs the window before the cut still held
+        recurrent    a fixed-size state (Mamba, RWKV): it cannot be cut back at all, and a fork
+                     copies the state's bytes
+        hybrid       attention layers and recurrent layers: the recurrent rules win
+        hybrid-iswa  the same with windowed attention layers
+
+    Where a cut back is impossible, the host restores a checkpoint (a state parked at or before
+    the cut) and prefills the rest."""
+
+    kind: str = "kv"
+    window: int = 0  # positions a window layer keeps (0: no window layers)
+    swa_full: bool = False  # llama.cpp keeps every position in the window layers' live cache too
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEMORY_KINDS:
+            raise ValueError(f"memory kind {self.kind!r} is not one of {', '.join(MEMORY_KINDS)}")
+
+    @property
+    def recurrent(self) -> bool:
+        """True when part of the state is recurrent (no cut back, forks copy bytes)."""
+        return self.kind in ("recurrent", "hybrid", "hybrid-iswa")
+
+    def can_cut(self, held_from: int, held: int, keep: int) -> bool:
+        """Whether a sequence holding positions `held_from`..`held - 1` in its window layers (0..
+        in full ones) can be cut back to its first `keep` positions and go on exactly."""
+        if keep >= held:
+            return True
+        if self.recurrent:
+            return False
+        # the next position, keep, reads keep - window + 1 .. keep - 1 in the window layers
+        return not self.window or held_from <= max(0, keep - self.window + 1)
+
+    def held_from_restored(self, tokens: int) -> int:
+        """The first position a restored state of `tokens` tokens holds in its window layers: a
+        state keeps only what the window still sees."""
+        return max(0, tokens - self.window) if self.window else 0
+
+    def can_cut_restored(self, tokens: int, keep: int) -> bool:
+        """Whether a parked state of `tokens` tokens, once restored, can be cut to `keep`."""
+        return self.can_cut(self.held_from_restored(tokens), tokens, keep)
+
+
 class Descriptor(msgspec.Struct, frozen=True):
     """What a loaded engine is: runtime, identity, KV shape and price, limits, vocabulary."""
 
@@ -52,6 +102,7 @@ class Descriptor(msgspec.Struct, frozen=True):
     # One cache of cells for every sequence (llama.cpp's unified cache): a fork shares its
     # parent's cells, and every forward reads every used cell, idle sequences' included.
     unified_cells: bool = False
+    memory: Memory = Memory()
 
 
 class EngineStats(msgspec.Struct, frozen=True):

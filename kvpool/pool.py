@@ -16,7 +16,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -293,11 +293,12 @@ class Pool(Compacting):
                                 f"{record.views} open views; release, unpin and close them before evicting")
             self._evict(record)
 
-    def lookup(self, identity: str, tokens) -> PrefixMatch | None:
-        """The ready entry of `identity` sharing the longest exact token prefix with `tokens`."""
+    def lookup(self, identity: str, tokens, serves: Callable[[int, int], bool] | None = None) -> PrefixMatch | None:
+        """The ready entry of `identity` sharing the longest exact token prefix with `tokens`
+        (only entries that `serves(entry_tokens, matched)` accepts, when given)."""
         with self._lock:
             self._check_open()
-            return self._prefix.longest(identity, validation.token_ids(tokens))
+            return self._prefix.longest(identity, validation.token_ids(tokens), serves=serves)
 
     def acquire_prefix(self, identity: str, tokens) -> PrefixMatch | None:
         """lookup() and share() the entry found, atomically (the caller must release it)."""

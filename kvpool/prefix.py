@@ -100,9 +100,11 @@ class PrefixIndex:
                 if not holders:
                     del self._by_hash[(identity, value)]
 
-    def longest(self, identity: str, tokens: np.ndarray,
-                usable: Callable[[int], bool] = lambda entry_id: True) -> PrefixMatch | None:
-        """The usable entry sharing the longest exact token prefix with `tokens`, or None."""
+    def longest(self, identity: str, tokens: np.ndarray, usable: Callable[[int], bool] = lambda entry_id: True,
+                serves: Callable[[int, int], bool] | None = None) -> PrefixMatch | None:
+        """The usable entry sharing the longest exact token prefix with `tokens`, or None.
+        `serves(entry_tokens, matched)` says whether an entry of that many tokens can serve a
+        match that long (a state that cannot be cut back serves only its whole length)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         hashes = self._hasher(identity, tokens)
         best: PrefixMatch | None = None
@@ -120,7 +122,10 @@ class PrefixIndex:
                 seen.add(entry_id)
                 if not usable(entry_id):
                     continue
-                matched = common_prefix(tokens, self._tokens_of(entry_id))
+                stored = self._tokens_of(entry_id)
+                matched = common_prefix(tokens, stored)
+                if serves is not None and matched > 0 and not serves(len(stored), matched):
+                    continue
                 if matched > 0 and (best is None or matched > best.tokens):
                     best = PrefixMatch(entry_id, matched)
         return best

@@ -135,8 +135,13 @@ class Commands:
         self.scheduler.commit(live, list(tokens))
 
     def append_text(self, session_id: str, text: str) -> None:
-        """Text tokenized as it is."""
-        self.append_tokens(session_id, self.engine.tokenize(text, special=True))
+        """Text tokenized as it is; at the start of a session, after a BOS where the model asks
+        for one (as llama-cpp-python and llama-server tokenize a raw prompt)."""
+        tokens = self.engine.tokenize(text, special=True)
+        bos = self.descriptor.bos_token
+        if bos is not None and not self._live(session_id, idle=True).state.tokens and tokens[:1] != [bos]:
+            tokens = [bos, *tokens]
+        self.append_tokens(session_id, tokens)
 
     # ----------------------------------------------------------------------------- generating
 

@@ -65,6 +65,7 @@ class KVManager:
         self.descriptor = engine.describe()
         self.cells_total = self.descriptor.kv_cells or self.descriptor.context_length
         self.unified = self.descriptor.unified_cells
+        self.memory = self.descriptor.memory  # what can be cut back, and so where checkpoints are needed
         self.max_sequences = self.descriptor.packing.max_sequences
         self.decode_reserve, self.idle_park_seconds = decode_reserve, idle_park_seconds
         self.high_watermark, self.low_watermark = watermarks
@@ -108,9 +109,11 @@ class KVManager:
         for other in self.lanes:
             if other is not live:
                 common = common_prefix(other.state.tokens[:other.kv], tokens, want)
-                if common > held:
+                # a memory that cannot be cut back is forked only where it ends at the prefix
+                if common > held and self.memory.can_cut_restored(other.kv, common):
                     lane, held = other, common
-        match = self.pool.lookup(self.descriptor.identity, tokens[:want]) if want > 0 else None
+        serves = None if self.memory.kind == "kv" else self.memory.can_cut_restored
+        match = self.pool.lookup(self.descriptor.identity, tokens[:want], serves) if want > 0 else None
         return Source(lane, held, match)
 
     def cells_needed(self, live: Live, source: Source) -> int:

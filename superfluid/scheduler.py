@@ -394,10 +394,23 @@ class Scheduler:
                 self.counters.prefill_tokens += fed
                 live.job.prefilled += fed
             if request.logits == "none":
+                if self._needs_checkpoint(live):
+                    self.kv.park(live, keep_lane=True)  # a checkpoint inside a long prompt
                 continue
-            if live.job.prefilled >= self.policy.publish_tokens and fed > 1:
-                self.kv.park(live, keep_lane=True)  # the end of a long prefill: publish it for others
+            if fed > 1 and (live.job.prefilled >= self.policy.publish_tokens or self.kv.memory.kind != "kv"):
+                # the end of a prompt: published for others when long; and where the memory
+                # cannot be cut back, the checkpoint a trim or a regenerated reply restores
+                self.kv.park(live, keep_lane=True)
             self._emit(live, logits[-1])
+
+    def _needs_checkpoint(self, live: Live) -> bool:
+        """True where the memory cannot be cut back and `checkpoint_tokens` were prefilled since
+        the session's last parked state: a session diverging inside this prompt restores the
+        latest checkpoint before the divergence instead of prefilling it all."""
+        if self.kv.memory.kind == "kv":
+            return False
+        parked = live.state.parked[1] if live.state.parked is not None else 0
+        return live.kv - parked >= self.policy.checkpoint_tokens
 
     def _measure(self, requests: list, seconds: float) -> None:
         """Fold a step's time per token into the prefill cost (steps of one token each are decode

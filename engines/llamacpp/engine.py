@@ -21,7 +21,7 @@ from engines import identity as identities
 from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError)
-from engines.llamacpp import blob, canary, library, settings
+from engines.llamacpp import blob, canary, library, memory, settings
 from kvpool import Device, EntryInfo, EntryView, Pool, host_memory_available, pricing
 
 RUNTIME = "llamacpp"
@@ -61,6 +61,12 @@ class LlamaCppEngine(Adapter):
         self._ctx = None
         self._batch = None
         try:
+            self._kind = memory.kind_of(self._meta("general.architecture") or "llama",
+                                        recurrent=bool(api.llama_model_is_recurrent(self._model)),
+                                        # (a release without the call knows no hybrid memory)
+                                        hybrid=bool(getattr(api, "llama_model_is_hybrid", lambda m: False)(self._model)),
+                                        window=max(0, api.llama_model_n_swa(self._model)))
+            self._window = max(0, api.llama_model_n_swa(self._model)) if "iswa" in self._kind else 0
             self._open_context(path)
         except BaseException:
             self.close()
@@ -92,9 +98,10 @@ class LlamaCppEngine(Adapter):
         self._slot_seq = [-1] * self._n_batch
         self._free_seqs = list(range(values["n_seq_max"]))
         self._pieces: dict[int, bytes] = {}
-        self._expected = self._expected_blob(self._probe_blob_header())
+        self._copied = self._copies = 0  # recurrent state copied by forks
+        self._template = self._learn_template(self._probe_blob_header())
+        self._model_kv = memory.model_kv(self._template, self._window)  # exact, from the rows it writes
         self._descriptor = self._describe(path)
-        self._canary()
 
     # ----------------------------------------------------------------------------- description
 
@@ -115,52 +122,34 @@ class LlamaCppEngine(Adapter):
                                value_type=values["cache_type_v"], value_width=value_width)
 
     def _probe_blob_header(self) -> bool:
-        """Whether this release prefixes sequence state with a magic and the sequence id: the
-        state of an empty sequence is 8 bytes without (stream count, cell count), 16 with."""
+        """Whether this release prefixes sequence state with a magic and the sequence id (since
+        late 2025): read from the state of an empty sequence."""
         seq = self.new_sequence()
         try:
-            size = self._api.llama_state_seq_get_size(self._ctx, seq)
+            state = self._state_of(seq)
         finally:
             self.free_sequence(seq)
-        if size not in (8, 16):
-            raise RuntimeUnavailable(f"llama-cpp-python {self._lib.version} writes sequence state superfluid cannot "
-                                     f"read ({size} bytes for an empty sequence); {library.INSTALL}")
-        return size == 16
+        if len(state) >= 4 and int.from_bytes(state[:4].tobytes(), "little") == blob.MAGIC:
+            return True
+        if self._kind == "kv" and len(state) == 8:  # an older release: stream count, cell count
+            return False
+        raise RuntimeUnavailable(f"llama-cpp-python {self._lib.version} writes sequence state superfluid cannot "
+                                 f"read ({len(state)} bytes for an empty sequence of memory kind {self._kind}); "
+                                 f"{library.INSTALL}")
 
-    def _expected_blob(self, header: bool) -> blob.Expected:
-        layer = self._model_kv.layers[0]
-        k_type, v_type = (settings.CACHE_TYPES[self._values[k]] for k in ("cache_type_k", "cache_type_v"))
-        v_values = layer.kv_heads * layer.value_width
-        v_elem = pricing.CACHE_TYPES[layer.value_type][1]  # transposed V is never block-quantized
-        return blob.Expected(len(self._model_kv.layers), k_type, v_type,
-                             pricing.row_bytes(layer.key_type, layer.kv_heads * layer.key_width),
-                             pricing.row_bytes(layer.value_type, v_values), v_elem, v_values,
-                             not self._values["flash_attn"], self._n_ctx, header)
+    def _state_of(self, seq: int) -> np.ndarray:
+        size = self._api.llama_state_seq_get_size(self._ctx, seq)
+        state = np.empty(size, np.uint8)
+        written = self._api.llama_state_seq_get_data(self._ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                     size, seq)
+        if written != size:
+            raise StateError(f"llama.cpp wrote {written} of {size} state bytes for sequence {seq}")
+        return state
 
-    def _describe(self, path: Path) -> Descriptor:
-        api, values = self._api, self._values
-        template = api.llama_model_chat_template(self._model, None)
-        bos = api.llama_vocab_bos(self._vocab) if api.llama_vocab_get_add_bos(self._vocab) else None
-        eos = tuple(sorted({t for t in (api.llama_vocab_eos(self._vocab), api.llama_vocab_eot(self._vocab)) if t >= 0}))
-        settings_used = {name: values[name] for name in settings.IDENTITY_OPTIONS} | {"kv_unified": True}
-        identity = identities.compose(RUNTIME, identities.file_digest(path), self._lib.version, settings_used)
-        device = resolve_device(values["n_gpu_layers"], bool(api.llama_supports_gpu_offload()))
-        packing = Packing(mixes_prefill_and_decode=True, max_tokens=self._n_batch,
-                          max_sequences=values["n_seq_max"], copies_on_lane_change=False)
-        return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
-                          pricing.bytes_per_token(self._model_kv), self._context_length(), self._n_vocab, packing,
-                          device,
-                          bos, eos, template.decode() if template else None, kv_cells=self._n_ctx, unified_cells=True)
-
-    def _context_length(self) -> int:
-        """Positions one sequence may hold: the cells, but never past the model's training
-        context (a cache sized for many sessions must not stretch one beyond what RoPE learned)."""
-        trained = self._api.llama_model_n_ctx_train(self._model)
-        return min(self._n_ctx, trained) if trained > 0 else self._n_ctx
-
-    def _canary(self) -> None:
-        """A multi-token batch through the model before anyone relies on it: a build that
-        returns garbage here (the native build's fault on these CPUs) is refused now."""
+    def _learn_template(self, header: bool) -> blob.Template:
+        """Run the canary (a multi-token batch: a build that returns garbage here, the native
+        build's fault on these CPUs, is refused now) and learn from its sequence's state what
+        every blob of this engine looks like."""
         seq = self.new_sequence()
         try:
             tokens = [t % self._n_vocab for t in range(1, CANARY_TOKENS + 1)]
@@ -169,8 +158,40 @@ class LlamaCppEngine(Adapter):
                 raise RuntimeUnavailable(f"llama.cpp {self._lib.version} returns non-finite logits for a "
                                          f"{CANARY_TOKENS}-token batch on this machine; rebuild it portable: "
                                          f"{library.INSTALL}")
+            template = blob.Template.learn(self._state_of(seq), memory.PARTS[self._kind], header=header,
+                                           max_cells=self._n_ctx)
+            if template.check(self._state_of(seq), self._window) != CANARY_TOKENS:
+                raise StateError(f"llama.cpp's state of a {CANARY_TOKENS}-token sequence does not read back as one")
+            return template
         finally:
             self.free_sequence(seq)
+
+    def _describe(self, path: Path) -> Descriptor:
+        api, values = self._api, self._values
+        template = api.llama_model_chat_template(self._model, None)
+        bos = api.llama_vocab_bos(self._vocab) if api.llama_vocab_get_add_bos(self._vocab) else None
+        # every end-of-generation token llama.cpp knows (eos, eot, <end_of_turn>, <|im_end|>, ...)
+        # (the model's own eos first: chat templates render it as eos_token)
+        is_eog, first = api.llama_vocab_is_eog, api.llama_vocab_eos(self._vocab)
+        eos = tuple(sorted((t for t in range(self._n_vocab) if is_eog(self._vocab, t)), key=lambda t: (t != first, t)))
+        # the memory kind and window decide what a state blob holds, so they are part of what it means
+        settings_used = {name: values[name] for name in settings.IDENTITY_OPTIONS} | {
+            "kv_unified": True, "memory": self._kind, "window": self._window}
+        identity = identities.compose(RUNTIME, identities.file_digest(path), self._lib.version, settings_used)
+        device = resolve_device(values["n_gpu_layers"], bool(api.llama_supports_gpu_offload()))
+        packing = Packing(mixes_prefill_and_decode=True, max_tokens=self._n_batch,
+                          max_sequences=values["n_seq_max"], copies_on_lane_change=False)
+        return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
+                          pricing.bytes_per_token(self._model_kv), self._context_length(), self._n_vocab, packing,
+                          device,
+                          bos, eos, template.decode() if template else None, kv_cells=self._n_ctx, unified_cells=True,
+                          memory=memory.memory(self._kind, self._window, values["swa_full"]))
+
+    def _context_length(self) -> int:
+        """Positions one sequence may hold: the cells, but never past the model's training
+        context (a cache sized for many sessions must not stretch one beyond what RoPE learned)."""
+        trained = self._api.llama_model_n_ctx_train(self._model)
+        return min(self._n_ctx, trained) if trained > 0 else self._n_ctx
 
     def describe(self) -> Descriptor:
         """What this engine is (fixed once loaded)."""
@@ -233,21 +254,32 @@ class LlamaCppEngine(Adapter):
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing `seq`'s cells: llama.cpp tags them with a second sequence id
-        in its unified cache; no KV bytes move."""
+        in its unified cache; no KV bytes move. A recurrent state is copied (counted)."""
         length = self._length(seq)
         child = self.new_sequence()
         self._memory.seq_cp(self._mem, seq, child, -1, -1)
         self._lengths[child] = length
+        if self._descriptor.memory.recurrent and length:
+            self._copied += pricing.fixed_bytes(self._model_kv)
+            self._copies += 1
         return child
 
     def truncate(self, seq: int, tokens: int) -> None:
-        """Keep the first `tokens` positions of `seq`."""
+        """Keep the first `tokens` positions of `seq`. EngineError, changing nothing, where the
+        memory cannot be cut there: a recurrent state never can, and a window layer only while it
+        still holds the window before the cut."""
         length = self._length(seq)
         if not 0 <= tokens <= length:
             raise EngineError(f"cannot keep {tokens} tokens of a sequence of {length}")
+        if tokens == length:
+            return
+        kind = self._descriptor.memory
+        held_from = max(0, self._memory.seq_pos_min(self._mem, seq)) if kind.window else 0
+        if not kind.can_cut(held_from, length, tokens):
+            raise EngineError(f"cannot cut sequence {seq} back from {length} to {tokens} tokens: its {kind.kind} "
+                              f"memory no longer holds what comes before (restore a checkpoint instead)")
         if not self._memory.seq_rm(self._mem, seq, tokens, -1):
-            raise EngineError(f"llama.cpp cannot cut sequence {seq} at {tokens} (a recurrent model?); "
-                              "recompute it from its tokens instead")
+            raise EngineError(f"llama.cpp cannot cut sequence {seq} at {tokens}; recompute it from its tokens instead")
         self._lengths[seq] = tokens
 
     # ----------------------------------------------------------------------------- forward
@@ -334,7 +366,7 @@ class LlamaCppEngine(Adapter):
         if not view.verified:
             view.verify()
         state = view.blob
-        cells = blob.check(state, self._expected)
+        cells = self._template.check(state, self._window)
         if cells != view.info.tokens:
             raise StateError(f"pool entry {view.info.id} holds {cells} cells but claims {view.info.tokens} tokens")
         read = self._api.llama_state_seq_set_data(self._ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
@@ -348,9 +380,10 @@ class LlamaCppEngine(Adapter):
         return cells
 
     def stats(self) -> EngineStats:
-        """llama.cpp makes no KV copies of its own here: forks tag cells in the unified cache,
-        and state moves only through export and import (which the pool counts)."""
-        return EngineStats()
+        """The KV copies llama.cpp made here: forks tag cells in the unified cache (nothing
+        copied) but copy a recurrent state; everything else moves through export and import
+        (which the pool counts)."""
+        return EngineStats(self._copied, self._copies)
 
     # ----------------------------------------------------------------------------- lifetime
 

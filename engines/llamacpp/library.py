@@ -37,6 +37,7 @@ class Memory:
     seq_rm: Callable[..., bool]
     seq_cp: Callable[..., None]
     seq_keep: Callable[..., None]
+    seq_pos_min: Callable[..., int]
     seq_pos_max: Callable[..., int]
     clear: Callable[..., None]
     naming: str
@@ -63,7 +64,7 @@ def installed_version() -> str | None:
 def resolve_memory(api: Any) -> Memory:
     """The memory functions under whichever names `api` binds; RuntimeUnavailable if none."""
     for prefix, handle_name in _NAMINGS:
-        names = [prefix + name for name in ("seq_rm", "seq_cp", "seq_keep", "seq_pos_max", "clear")]
+        names = [prefix + name for name in ("seq_rm", "seq_cp", "seq_keep", "seq_pos_min", "seq_pos_max", "clear")]
         if all(hasattr(api, name) for name in names) and (handle_name is None or hasattr(api, handle_name)):
             handle = getattr(api, handle_name) if handle_name else (lambda ctx: ctx)
             return Memory(handle, *(getattr(api, name) for name in names), naming=prefix + "*")

@@ -7,7 +7,7 @@ import pytest
 
 from engines.base import StepRequest
 from engines.errors import EngineError, IdentityMismatch, NoRoom, OptionError, StateError, WrongThread
-from engines.llamacpp import blob as blobs, library
+from engines.llamacpp import blob as blobs, library, memory
 from engines.llamacpp.engine import LlamaCppEngine
 from kvpool import pricing
 
@@ -49,8 +49,11 @@ def test_state_size_is_price_per_cell_plus_fixed(wide_model, pool, k, v, flash):
     assert engine.describe().cell_price == pricing.bytes_per_token(pricing.uniform(2, 1, 64, k, value_type=v))
     seq, tokens, _ = prefill(engine)
     info = engine.export(seq, pool, tokens)
-    expected = blobs.fixed_bytes(engine._expected) + len(tokens) * (engine.describe().cell_price + blobs.CELL_META)
-    assert info.live_bytes == expected
+    # [magic, seq id,] stream count, cell count, v_trans, n_layer, a 12-byte header per K and V row
+    fixed = (8 if engine._template.header else 0) + 4 + 4 + 8 + 2 * 12 * 2
+    assert info.live_bytes == fixed + len(tokens) * (engine.describe().cell_price + blobs.CELL_META)
+    priced = pricing.state_bytes(engine.describe().model_kv, len(tokens))
+    assert info.live_bytes == priced + memory.state_overhead(engine._template, len(tokens), 0)
     engine.close()
 
 
@@ -182,7 +185,7 @@ def test_corrupt_state_is_refused_before_llama_cpp_reads_it(engine_for, pool, da
     state = engine.export(seq, pool, tokens)
     with pool.get(state.id) as view:
         raw = np.array(view.blob)
-    cells_at = 12 if engine._expected.header else 4  # after [magic, seq id,] stream count
+    cells_at = 12 if engine._template.header else 4  # after [magic, seq id,] stream count
     layers_at = cells_at + 4 + len(tokens) * blobs.CELL_META + 4
     if damage == "truncate":
         raw = raw[:-100]

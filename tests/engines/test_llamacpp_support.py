@@ -18,7 +18,7 @@ GiB = 1 << 30
 
 def _api(prefix, handle=None):
     functions = {prefix + name: (lambda *args, name=name: name) for name in
-                 ("seq_rm", "seq_cp", "seq_keep", "seq_pos_max", "clear")}
+                 ("seq_rm", "seq_cp", "seq_keep", "seq_pos_min", "seq_pos_max", "clear")}
     if handle:
         functions[handle] = lambda ctx: ("memory of", ctx)
     return SimpleNamespace(**functions)

