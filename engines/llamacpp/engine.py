@@ -111,11 +111,15 @@ class LlamaCppEngine(Adapter):
         return buffer.value.decode() if n >= 0 else None
 
     def _read_model_kv(self) -> pricing.ModelKV:
+        """An estimate of the price from the model's metadata, for sizing the cells before the
+        context exists (the exact one is learned from the state the context writes)."""
         api, values = self._api, self._values
         layers = api.llama_model_n_layer(self._model)
         heads = api.llama_model_n_head(self._model)
         kv_heads = api.llama_model_n_head_kv(self._model)
         arch = self._meta("general.architecture") or "llama"
+        if heads <= 0 or kv_heads <= 0:  # no attention (a recurrent model): nothing costs per token
+            return pricing.ModelKV(())
         key_width = int(self._meta(f"{arch}.attention.key_length") or api.llama_model_n_embd(self._model) // heads)
         value_width = int(self._meta(f"{arch}.attention.value_length") or key_width)
         return pricing.uniform(layers, kv_heads, key_width, values["cache_type_k"],

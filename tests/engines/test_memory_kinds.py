@@ -1,0 +1,180 @@
+"""The engine contract on every memory kind llama.cpp has: plain KV, sliding window (iSWA),
+recurrent and hybrid, each on a tiny random-weight model built at test time (tests/memorykinds.py).
+
+What must hold on each: a step; a fork that continues exactly as its parent; a cut back where the
+memory allows it and a refusal that changes nothing where it does not; an export and import that
+continue exactly as the uninterrupted sequence; a corrupt state refused before llama.cpp reads
+it; and a price that equals the bytes the pool stores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engines.base import StepRequest
+from engines.errors import EngineError, StateError
+from engines.llamacpp import memory
+from engines.llamacpp.engine import LlamaCppEngine
+from kvpool import pricing
+from tests import memorykinds, tinymodels
+
+KINDS = ("kv", "iswa", "recurrent", "hybrid", "hybrid-iswa")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """kind -> the GGUF of a tiny model of that memory kind (and its window, 0 if none)."""
+    directory = tmp_path_factory.mktemp("memory-kinds")
+    models = {"kv": (tinymodels.build(directory / "kv").gguf, 0)}
+    for kind in KINDS[1:]:
+        model = memorykinds.build(kind.replace("-", "_"), directory / kind)
+        models[kind] = (model.gguf, model.window or 0)
+    return models
+
+
+@pytest.fixture
+def engine_of(built):
+    opened = []
+
+    def make(kind: str, **options):
+        engine = LlamaCppEngine(built[kind][0], n_ctx=256, n_seq_max=4, threads=1, threads_batch=1, **options)
+        opened.append(engine)
+        return engine
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+def feed(engine, seq, tokens, chunk=7):
+    """Prefill `tokens` into `seq` in chunks (several steps, as the scheduler does); last logits."""
+    logits = None
+    for start in range(0, len(tokens), chunk):
+        logits = engine.step([StepRequest(seq, tokens[start:start + chunk])])[0][0]
+    return logits
+
+
+def run(engine, seq, logits, steps=6):
+    """Greedy continuation: the tokens and every step's logits."""
+    tokens, seen = [], []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits)))
+        logits = engine.step([StepRequest(seq, tokens[-1:])])[0][0]
+        seen.append(logits)
+    return tokens, seen
+
+
+def prompt(length: int, salt: int = 0) -> list[int]:
+    return [1 + (i * 7 + salt) % 250 for i in range(length)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kind_is_described(engine_of, built, kind):
+    engine = engine_of(kind)
+    described = engine.describe().memory
+    assert described.kind == kind and described.window == built[kind][1]
+    assert described.recurrent == kind.startswith(("recurrent", "hybrid"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fork_continues_as_its_parent(engine_of, kind):
+    engine = engine_of(kind)
+    parent = engine.new_sequence()
+    logits = feed(engine, parent, prompt(40))
+    child = engine.fork(parent)
+    assert engine.length(child) == 40
+    expected, _ = run(engine, parent, logits)
+    got, _ = run(engine, child, logits)
+    assert got == expected
+    copied = engine.stats().bytes_copied
+    assert (copied > 0) == engine.describe().memory.recurrent  # a recurrent state is copied, and counted
+
+
+@pytest.mark.parametrize("kind", ["kv", "iswa"])
+def test_a_cut_back_within_reach_is_exact(engine_of, kind):
+    engine = engine_of(kind)
+    tokens = prompt(60)
+    seq = engine.new_sequence()
+    feed(engine, seq, tokens)
+    engine.truncate(seq, 57)  # within the window: every window layer still holds what 57 reads
+    logits = engine.step([StepRequest(seq, tokens[57:58])])[0][0]
+    cold = engine.new_sequence()
+    np.testing.assert_allclose(logits, feed(engine, cold, tokens[:58]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["iswa", "recurrent", "hybrid", "hybrid-iswa"])
+def test_a_cut_back_out_of_reach_is_refused_untouched(engine_of, pool, kind):
+    engine = engine_of(kind)
+    tokens = prompt(60)
+    seq = engine.new_sequence()
+    logits = feed(engine, seq, tokens)
+    info = engine.export(seq, pool, tokens)
+    expected, _ = run(engine, seq, logits, 3)
+    restored = engine.new_sequence()
+    with pool.get(info.id) as view:
+        engine.import_(restored, view)  # a restored window state holds only the window's positions
+    keep = 2 if kind == "iswa" else 59
+    with pytest.raises(EngineError, match="cannot cut"):
+        engine.truncate(restored, keep)
+    assert engine.length(restored) == 60
+    assert run(engine, restored, logits, 3)[0] == expected  # as it was
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_and_import_continue_as_the_uninterrupted_sequence(engine_of, pool, kind):
+    engine = engine_of(kind)
+    tokens = prompt(45, salt=3)
+    seq = engine.new_sequence()
+    logits = feed(engine, seq, tokens)
+    info = engine.export(seq, pool, tokens, tag="kinds")
+    expected, expected_logits = run(engine, seq, logits)
+    engine.free_sequence(seq)
+    other = engine.new_sequence()
+    with pool.get(info.id) as view:
+        assert engine.import_(other, view) == 45
+    got, got_logits = run(engine, other, logits)
+    assert got == expected
+    # bit for bit where the restored cells land where the original ones were; a window cache
+    # places them elsewhere, which changes the last bits of the sums (flash attention off)
+    np.testing.assert_allclose(np.stack(got_logits), np.stack(expected_logits), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_price_is_what_the_pool_stores(engine_of, pool, kind):
+    engine = engine_of(kind)
+    described = engine.describe()
+    for length in (5, 40):  # inside and (on the window models) past the window
+        seq = engine.new_sequence()
+        tokens = prompt(length, salt=length)
+        feed(engine, seq, tokens)
+        info = engine.export(seq, pool, tokens)
+        priced = pricing.state_bytes(described.model_kv, length)
+        assert info.live_bytes == priced + memory.state_overhead(engine._template, length, described.memory.window)
+        engine.free_sequence(seq)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("damage", ["truncate", "magic", "tail", "count"])
+def test_a_corrupt_state_is_refused_without_a_crash(engine_of, pool, kind, damage):
+    engine = engine_of(kind)
+    tokens = prompt(30, salt=5)
+    seq = engine.new_sequence()
+    feed(engine, seq, tokens)
+    info = engine.export(seq, pool, tokens)
+    with pool.get(info.id) as view:
+        raw = np.array(view.blob)
+    if damage == "truncate":
+        raw = raw[:-40]
+    elif damage == "magic":
+        raw[0] ^= 0xFF
+    elif damage == "tail":
+        raw = np.concatenate([raw, np.zeros(12, np.uint8)])
+    else:  # the first part's first count (streams, or a recurrent state's cells)
+        raw[8:12] = np.frombuffer(np.uint32(1 << 20).tobytes(), np.uint8)
+    forged = pool.put_blob(engine.describe().identity, tokens, raw)
+    target = engine.new_sequence()
+    with pool.get(forged.id) as view, pytest.raises(StateError):
+        engine.import_(target, view)
+    assert engine.length(target) == 0
+    feed(engine, target, tokens[:4])  # the engine still works
