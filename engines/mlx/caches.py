@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from engines.base import Memory
 from engines.errors import StateError
 
 KINDS = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache", "CacheList")
@@ -234,3 +235,21 @@ def _array(arrays, name):
         return arrays[name]
     except KeyError:
         raise StateError(f"pool entry lacks the array {name} its cache values call for") from None
+
+
+def memory_of(layer_caches: list) -> Memory:
+    """The memory kind of a model whose layers keep `layer_caches` (one sequence's, as mlx-lm's
+    make_prompt_cache builds them): recurrent arrays make it recurrent (hybrid beside attention
+    caches), rotating caches make it a sliding window of their max_size (gemma3_text keeps a
+    RotatingKVCache on its window layers and a KVCache on the others)."""
+    flat = []
+    for cache in layer_caches:
+        flat.extend(cache.caches if kind(cache) == "CacheList" else [cache])
+    names = {kind(cache) for cache in flat}
+    windows = [cache.max_size for cache in flat if kind(cache) == "RotatingKVCache"]
+    attention = names & {"KVCache", "QuantizedKVCache", "RotatingKVCache"}
+    if "ArraysCache" in names:
+        if not attention:
+            return Memory("recurrent")
+        return Memory("hybrid-iswa", min(windows)) if windows else Memory("hybrid")
+    return Memory("iswa", min(windows)) if windows else Memory("kv")

@@ -33,7 +33,7 @@ from engines.base import Descriptor, EngineStats, Packing, StepRequest
 from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, OptionError, RuntimeUnavailable,
                             StateError)
 from engines.mlx import batch as batching
-from engines.mlx import blas, buffer_cache, caches, gguf, price, settings
+from engines.mlx import blas, buffer_cache, caches, gguf, price, settings, vocab
 from kvpool import Device, EntryInfo, EntryView, KVArray, Pool
 
 RUNTIME = "mlx"
@@ -130,15 +130,16 @@ class MlxEngine(Adapter):
         settings_used.update(dtype=str(_model_dtype(self._mx, self._model)), config=json.dumps(self._config, sort_keys=True))
         weights = identities.file_digest(path) if path.is_file() else identities.tree_digest(path)
         ident = identities.compose(RUNTIME, weights, versions, settings_used)
-        eos = (self._tokenizer.eos_token_id,) if self._tokenizer.eos_token_id is not None else ()
+        bos, eos = vocab.specials(self._tokenizer)  # a GGUF's: llama.cpp's add_bos rule and end-of-generation set
         packing = Packing(mixes_prefill_and_decode=False, max_tokens=self._values["prefill_chunk"],
                           max_sequences=self._values["max_sequences"], copies_on_lane_change=True)
         context = self._config.get("max_position_embeddings") or 0
         cell_price = price.cell_price(self._model_kv)
         return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, self._model_kv,
                           cell_price, context, self._config["vocab_size"], packing, Device(),
-                          self._tokenizer.bos_token_id, eos, self._tokenizer.chat_template,
-                          kv_cells=settings.kv_cells(self._values, cell_price, context))
+                          bos, eos, self._tokenizer.chat_template,
+                          kv_cells=settings.kv_cells(self._values, cell_price, context),
+                          memory=caches.memory_of(self._new_caches()))
 
     def describe(self) -> Descriptor:
         """What this engine is (fixed once loaded)."""
