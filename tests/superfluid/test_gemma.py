@@ -163,3 +163,21 @@ def test_a_restart_resumes_from_the_pool(open_host):
     reference = cold.session()
     reference.append_tokens(text_tokens(cold, 1200))
     assert greedy(reference, 8) == first + more
+
+
+def test_superfluid_serve_answers_on_it_and_reuses_a_long_prefix(gemma, tmp_path):
+    from tests.superfluid.served import Served
+
+    served = Served(gemma, tmp_path)
+    try:
+        client = served.client()
+        answer = client.completions.create(model=served.model, prompt=QUESTION, max_tokens=8, temperature=0.0)
+        assert "Paris" in answer.choices[0].text
+        prefix = FILLER * 25  # ~1,500 tokens: past the window
+        first = client.completions.create(model=served.model, prompt=prefix + "First:", max_tokens=4)
+        second = client.completions.create(model=served.model, prompt=prefix + "Second:", max_tokens=4)
+        assert first.usage.prompt_tokens > 2 * WINDOW
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens - 512  # from the last checkpoint before they part
+    finally:
+        assert served.stop() == 0
