@@ -317,8 +317,8 @@ class Scheduler:
         # what one step can carry (the engine's batch, the free cells), and what the tick allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
         budget = self.prefill_tokens()
-        if interactive:
-            budget = max(budget, INTERACTIVE_WHOLE_PROMPT)
+        if interactive:  # (never past the configured budget)
+            budget = max(budget, min(INTERACTIVE_WHOLE_PROMPT, self.policy.prefill_budget))
         budget, prefill = min(budget, limit), []
         for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
             if budget <= 0:
