@@ -42,7 +42,7 @@ class DecodeBatch:
 
 def batchable(lanes: Sequence[list]) -> bool:
     """True when every layer of every lane is a plain KVCache (what BatchKVCache merges)."""
-    return all(type(layer).__name__ == "KVCache" for lane in lanes for layer in lane)
+    return all(isinstance(caches.lookup(layer), caches.KV) for lane in lanes for layer in lane)
 
 
 def join(module, members: tuple[int, ...], lanes: Sequence[list], copies: Copies) -> DecodeBatch:

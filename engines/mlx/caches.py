@@ -1,5 +1,6 @@
-"""Every kind of mlx-lm cache seen one way: its live arrays, its plain values, how to share it
-and how to build it back, under either generation of mlx-lm's cache state.
+"""Every kind of mlx-lm cache seen one way: one codec per cache class, found through one table
+(`CODECS`), that says what is live in it, how to share it and how to build it back, under either
+generation of mlx-lm's cache state.
 
 Kinds and what is live in each:
 
@@ -21,12 +22,12 @@ defines them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from engines.base import Memory
 from engines.errors import StateError
 
-KINDS = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache", "CacheList")
 NO_TOKEN_AXIS = -1
 
 
@@ -48,74 +49,253 @@ class Part(NamedTuple):
         return self.buffer.nbytes // self.buffer.shape[2] * self.live
 
 
-def kind(cache) -> str:
-    """The cache's kind, refusing the ones this adapter cannot park."""
-    name = type(cache).__name__
-    if name not in KINDS:
-        raise StateError(f"mlx-lm cache {name} cannot be parked; the adapter handles {', '.join(KINDS)}")
-    return name
-
-
 def speaks_meta_state(cache) -> bool:
     """True for the earlier generation (mlx-lm 0.31): settings live in `meta_state`."""
     return hasattr(cache, "meta_state")
 
 
-def _stored_ring_length(cache) -> int:
-    # Before the ring first wraps its first `offset` cells are the live ones; after, all of it.
-    return min(cache.offset, cache.keys.shape[2])
+class Codec:
+    """How one mlx-lm cache class is read, shared, rebuilt and compacted. Subclasses cover one
+    class each; `CODECS` maps class names to them."""
+
+    name = ""
+    grows = False  # its buffers grow by steps along axis 2, so compaction may rewrite them
+    attention = True  # it holds attention positions (False: a fixed recurrent state)
+
+    def parts(self, cache, prefix: str) -> list[Part]:
+        """The live arrays (views, nothing copied), named under `prefix`."""
+        raise NotImplementedError
+
+    def values(self, cache, prefix: str) -> dict[str, int | str]:
+        """Plain values beside the class name that rebuild the cache (offset, settings)."""
+        return {f"{prefix}offset": cache.offset, f"{prefix}empty": int(cache.keys is None)}
+
+    def buffers(self, cache) -> list:
+        """Every MLX array the cache holds, whole."""
+        return [] if cache.keys is None else [cache.keys, cache.values]
+
+    def share(self, twin, cache) -> None:
+        """Give `twin` (a shallow copy of `cache`) new array objects over the same memory."""
+        if cache.keys is not None:
+            twin.keys, twin.values = cache.keys[...], cache.values[...]
+
+    def window(self, cache) -> int:
+        """Positions it keeps (0: all of them)."""
+        return 0
+
+    def capacity(self, module, plain: dict, prefix: str, stored: int) -> int:
+        """Cells to allocate on import for a part holding `stored` cells (see capacity_for)."""
+        return room_for(stored, step_of(module, self.name))
+
+    def build(self, module, plain: dict, prefix: str, arrays: dict[str, Any]):
+        """The cache described by `plain` under `prefix`, holding `arrays` (name → MLX buffer)."""
+        raise NotImplementedError
+
+    def regrow(self, cache, rebuffer: Callable[[Any], Any]) -> None:
+        """Replace each buffer of a growing cache with `rebuffer(buffer)` (compaction)."""
+        raise StateError(f"mlx-lm cache {self.name} does not grow by steps; nothing to compact")
+
+
+class KV(Codec):
+    """The plain attention cache: keys and values grown by steps."""
+
+    name, grows = "KVCache", True
+
+    def parts(self, cache, prefix):
+        if cache.keys is None:
+            return []
+        return [Part(f"{prefix}k", cache.keys, cache.offset, 2), Part(f"{prefix}v", cache.values, cache.offset, 2)]
+
+    def build(self, module, plain, prefix, arrays):
+        cache, offset = module.KVCache(), _field(plain, prefix, "offset", int)
+        if _field(plain, prefix, "empty", int):
+            return cache
+        keys, vals = _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v")
+        if speaks_meta_state(cache):
+            cache.state = (keys, vals)
+            cache.offset = offset  # 0.31's KVCache takes its offset from the buffer's length
+        else:
+            cache.state = (keys, vals, offset)
+        return cache
+
+    def regrow(self, cache, rebuffer):
+        cache.keys, cache.values = rebuffer(cache.keys), rebuffer(cache.values)
+
+
+class Quantized(Codec):
+    """Quantized keys and values: a (data, scales, biases) triple each, grown by steps."""
+
+    name, grows = "QuantizedKVCache", True
+
+    def parts(self, cache, prefix):
+        if cache.keys is None:
+            return []
+        return [Part(f"{prefix}{side}{j}", array, cache.offset, 2)
+                for side, group in (("k", cache.keys), ("v", cache.values)) for j, array in enumerate(group)]
+
+    def values(self, cache, prefix):
+        return {**super().values(cache, prefix), f"{prefix}bits": cache.bits, f"{prefix}group_size": cache.group_size}
+
+    def buffers(self, cache):
+        return [] if cache.keys is None else [*cache.keys, *cache.values]
+
+    def share(self, twin, cache):
+        if cache.keys is not None:
+            twin.keys, twin.values = tuple(a[...] for a in cache.keys), tuple(a[...] for a in cache.values)
+
+    def build(self, module, plain, prefix, arrays):
+        cache = module.QuantizedKVCache(group_size=_field(plain, prefix, "group_size", int),
+                                        bits=_field(plain, prefix, "bits", int))
+        offset = _field(plain, prefix, "offset", int)
+        if _field(plain, prefix, "empty", int):
+            return cache
+        keys = tuple(_array(arrays, f"{prefix}k{j}") for j in range(3))
+        vals = tuple(_array(arrays, f"{prefix}v{j}") for j in range(3))
+        if speaks_meta_state(cache):
+            cache.state = (keys, vals)
+            cache.meta_state = (str(offset), str(cache.group_size), str(cache.bits))
+            cache.offset = offset
+        else:
+            cache.state = (keys, vals, offset, cache.group_size, cache.bits)
+        return cache
+
+    def regrow(self, cache, rebuffer):
+        cache.keys, cache.values = (tuple(rebuffer(b) for b in group) for group in (cache.keys, cache.values))
+
+
+class Rotating(Codec):
+    """A sliding window: a ring buffer of at most `max_size` cells (plus `keep` pinned ones)."""
+
+    name = "RotatingKVCache"
+
+    def parts(self, cache, prefix):
+        if cache.keys is None:
+            return []
+        # Before the ring first wraps its first `offset` cells are the live ones; after, all of it.
+        n = min(cache.offset, cache.keys.shape[2])
+        return [Part(f"{prefix}k", cache.keys, n, NO_TOKEN_AXIS), Part(f"{prefix}v", cache.values, n, NO_TOKEN_AXIS)]
+
+    def values(self, cache, prefix):
+        return {**super().values(cache, prefix), f"{prefix}keep": cache.keep, f"{prefix}max_size": cache.max_size,
+                f"{prefix}idx": cache._idx}
+
+    def window(self, cache):
+        return cache.max_size
+
+    def capacity(self, module, plain, prefix, stored):
+        if int(plain[f"{prefix}offset"]) > stored:  # wrapped: every cell is in use
+            return stored
+        return max(stored, min(super().capacity(module, plain, prefix, stored), int(plain[f"{prefix}max_size"])))
+
+    def build(self, module, plain, prefix, arrays):
+        cache = module.RotatingKVCache(max_size=_field(plain, prefix, "max_size", int),
+                                       keep=_field(plain, prefix, "keep", int))
+        offset = _field(plain, prefix, "offset", int)
+        if _field(plain, prefix, "empty", int):
+            return cache
+        keys, vals, idx = _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v"), _field(plain, prefix, "idx", int)
+        if speaks_meta_state(cache):
+            cache.state = (keys, vals)
+            cache.meta_state = tuple(str(v) for v in (cache.keep, cache.max_size, offset, idx))
+            cache.offset = offset
+        else:
+            cache.state = (keys, vals, offset, cache.keep, cache.max_size, idx)
+        return cache
+
+
+class Arrays(Codec):
+    """A recurrent state (Mamba's convolution and SSM arrays): fixed size at any length."""
+
+    name, attention = "ArraysCache", False
+
+    def parts(self, cache, prefix):
+        return [Part(f"{prefix}s{j}", a, None, NO_TOKEN_AXIS) for j, a in enumerate(cache.cache) if a is not None]
+
+    def values(self, cache, prefix):
+        return {f"{prefix}size": len(cache.cache)}
+
+    def buffers(self, cache):
+        return [a for a in cache.cache if a is not None]
+
+    def share(self, twin, cache):
+        twin.cache = [None if a is None else a[...] for a in cache.cache]
+
+    def build(self, module, plain, prefix, arrays):
+        cache = module.ArraysCache(_field(plain, prefix, "size", int))
+        held = [arrays.get(f"{prefix}s{j}") for j in range(len(cache.cache))]
+        cache.state = held if speaks_meta_state(cache) else (held, None, None)
+        return cache
+
+
+class List(Codec):
+    """Several caches for one layer (a hybrid layer's attention and recurrent parts)."""
+
+    name = "CacheList"
+
+    def parts(self, cache, prefix):
+        return [p for j, member in enumerate(cache.caches) for p in parts(member, f"{prefix}{j}.")]
+
+    def values(self, cache, prefix):
+        out: dict[str, int | str] = {f"{prefix}members": len(cache.caches)}
+        for j, member in enumerate(cache.caches):
+            out.update(values(member, f"{prefix}{j}."))
+        return out
+
+    def buffers(self, cache):
+        return [b for member in cache.caches for b in buffers(member)]
+
+    def share(self, twin, cache):
+        twin.caches = tuple(share(member) for member in cache.caches)
+
+    def window(self, cache):
+        windows = [window(member) for member in cache.caches]
+        return max(windows) if all(windows) else 0
+
+    def build(self, module, plain, prefix, arrays):
+        count = _field(plain, prefix, "members", int)
+        return module.CacheList(*(build(module, plain, f"{prefix}{j}.", arrays) for j in range(count)))
+
+
+CODECS: dict[str, Codec] = {codec.name: codec for codec in (KV(), Quantized(), Rotating(), Arrays(), List())}
+KINDS = tuple(CODECS)
+
+
+def lookup(cache) -> Codec | None:
+    """The codec of `cache`'s class, None for a class this adapter does not know (the one place a
+    cache's class is looked at: by name, as mlx-lm's classes are not imported here)."""
+    return CODECS.get(type(cache).__name__)
+
+
+def codec_of(cache) -> Codec:
+    """The codec of `cache`'s class, refusing classes this adapter cannot park."""
+    codec = lookup(cache)
+    if codec is None:
+        raise StateError(f"mlx-lm cache {type(cache).__name__} cannot be parked; the adapter handles "
+                         f"{', '.join(KINDS)}")
+    return codec
+
+
+def members(cache) -> list:
+    """The caches `cache` is made of, CacheLists opened all the way down."""
+    if isinstance(codec_of(cache), List):
+        return [leaf for member in cache.caches for leaf in members(member)]
+    return [cache]
 
 
 def parts(cache, prefix: str) -> list[Part]:
     """The live arrays of `cache` (views, nothing copied), named under `prefix`."""
-    name = kind(cache)
-    if name == "CacheList":
-        return [p for j, member in enumerate(cache.caches) for p in parts(member, f"{prefix}{j}.")]
-    if name == "ArraysCache":
-        return [Part(f"{prefix}s{j}", a, None, NO_TOKEN_AXIS) for j, a in enumerate(cache.cache) if a is not None]
-    if cache.keys is None:
-        return []
-    if name == "KVCache":
-        return [Part(f"{prefix}k", cache.keys, cache.offset, 2), Part(f"{prefix}v", cache.values, cache.offset, 2)]
-    if name == "QuantizedKVCache":
-        return [Part(f"{prefix}{side}{j}", array, cache.offset, 2)
-                for side, group in (("k", cache.keys), ("v", cache.values)) for j, array in enumerate(group)]
-    n = _stored_ring_length(cache)
-    return [Part(f"{prefix}k", cache.keys, n, NO_TOKEN_AXIS), Part(f"{prefix}v", cache.values, n, NO_TOKEN_AXIS)]
+    return codec_of(cache).parts(cache, prefix)
 
 
 def values(cache, prefix: str) -> dict[str, int | str]:
     """The plain values that rebuild `cache` beside its arrays (class, offset, settings)."""
-    name = kind(cache)
-    out: dict[str, int | str] = {f"{prefix}class": name}
-    if name == "CacheList":
-        out[f"{prefix}members"] = len(cache.caches)
-        for j, member in enumerate(cache.caches):
-            out.update(values(member, f"{prefix}{j}."))
-    elif name == "ArraysCache":
-        out[f"{prefix}size"] = len(cache.cache)
-    else:
-        out[f"{prefix}offset"] = cache.offset
-        out[f"{prefix}empty"] = int(cache.keys is None)
-        if name == "QuantizedKVCache":
-            out[f"{prefix}bits"], out[f"{prefix}group_size"] = cache.bits, cache.group_size
-        elif name == "RotatingKVCache":
-            out[f"{prefix}keep"], out[f"{prefix}max_size"], out[f"{prefix}idx"] = cache.keep, cache.max_size, cache._idx
-    return out
+    codec = codec_of(cache)
+    return {f"{prefix}class": codec.name, **codec.values(cache, prefix)}
 
 
 def buffers(cache) -> list:
     """Every MLX array the cache holds, whole (what a write after sharing copies)."""
-    name = kind(cache)
-    if name == "CacheList":
-        return [b for member in cache.caches for b in buffers(member)]
-    if name == "ArraysCache":
-        return [a for a in cache.cache if a is not None]
-    if cache.keys is None:
-        return []
-    if name == "QuantizedKVCache":
-        return [*cache.keys, *cache.values]
-    return [cache.keys, cache.values]
+    return codec_of(cache).buffers(cache)
 
 
 def held_nbytes(cache) -> int:
@@ -128,22 +308,19 @@ def live_nbytes(cache) -> int:
     return sum(p.nbytes for p in parts(cache, ""))
 
 
+def window(cache) -> int:
+    """Positions `cache` keeps: a rotating cache's window, 0 for one that keeps every position."""
+    return codec_of(cache).window(cache)
+
+
 def share(cache):
     """A cache of the same kind and position whose arrays share `cache`'s buffers: new array
     objects (an MLX write rebinds the object it goes through, so two caches must never hold the
     same one), the same memory until one of them writes."""
-    name = kind(cache)
+    codec = codec_of(cache)
     twin = type(cache).__new__(type(cache))
     twin.__dict__.update(cache.__dict__)
-    if name == "CacheList":
-        twin.caches = tuple(share(member) for member in cache.caches)
-    elif name == "ArraysCache":
-        twin.cache = [None if a is None else a[...] for a in cache.cache]
-    elif cache.keys is not None:
-        if name == "QuantizedKVCache":
-            twin.keys, twin.values = tuple(a[...] for a in cache.keys), tuple(a[...] for a in cache.values)
-        else:
-            twin.keys, twin.values = cache.keys[...], cache.values[...]
+    codec.share(twin, cache)
     return twin
 
 
@@ -163,60 +340,36 @@ def capacity_for(module, plain: dict[str, int | str], prefix: str, stored: int) 
     """Cells to allocate along the token axis for a part holding `stored` cells on import: a
     growing cache gets a step-rounded buffer its next appends fill in place (room_for); a ring
     that has wrapped gets exactly what it held."""
-    name = plain[f"{prefix}class"]
-    step = step_of(module, name)
-    rounded = room_for(stored, step)
-    if name == "RotatingKVCache":
-        if int(plain[f"{prefix}offset"]) > stored:  # wrapped: every cell is in use
-            return stored
-        return max(stored, min(rounded, int(plain[f"{prefix}max_size"])))
-    return rounded
+    return _codec_named(_field(plain, prefix, "class", str)).capacity(module, plain, prefix, stored)
 
 
 def build(module, plain: dict[str, int | str], prefix: str, arrays: dict[str, Any]):
     """The cache described by `plain` under `prefix`, holding `arrays` (name → MLX buffer, at
     the capacity `capacity_for` chose), built through the running mlx-lm's `state`."""
-    name = _field(plain, prefix, "class", str)
-    if name not in KINDS:
-        raise StateError(f"pool entry names cache kind {name!r}; this adapter builds {', '.join(KINDS)}")
-    cls = getattr(module, name)
-    if name == "CacheList":
-        count = _field(plain, prefix, "members", int)
-        return cls(*(build(module, plain, f"{prefix}{j}.", arrays) for j in range(count)))
-    if name == "ArraysCache":
-        cache = cls(_field(plain, prefix, "size", int))
-        held = [arrays.get(f"{prefix}s{j}") for j in range(len(cache.cache))]
-        cache.state = held if speaks_meta_state(cache) else (held, None, None)
-        return cache
-    offset = _field(plain, prefix, "offset", int)
-    if name == "KVCache":
-        cache = cls()
-    elif name == "QuantizedKVCache":
-        cache = cls(group_size=_field(plain, prefix, "group_size", int), bits=_field(plain, prefix, "bits", int))
-    else:
-        cache = cls(max_size=_field(plain, prefix, "max_size", int), keep=_field(plain, prefix, "keep", int))
-    if _field(plain, prefix, "empty", int):
-        return cache
-    if name == "QuantizedKVCache":
-        keys = tuple(_array(arrays, f"{prefix}k{j}") for j in range(3))
-        vals = tuple(_array(arrays, f"{prefix}v{j}") for j in range(3))
-    else:
-        keys, vals = _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v")
-    if speaks_meta_state(cache):
-        cache.state = (keys, vals)
-        if name == "QuantizedKVCache":
-            cache.meta_state = (str(offset), str(cache.group_size), str(cache.bits))
-        elif name == "RotatingKVCache":
-            idx = _field(plain, prefix, "idx", int)
-            cache.meta_state = tuple(str(v) for v in (cache.keep, cache.max_size, offset, idx))
-        cache.offset = offset  # 0.31's KVCache takes its offset from the buffer's length
-    elif name == "KVCache":
-        cache.state = (keys, vals, offset)
-    elif name == "QuantizedKVCache":
-        cache.state = (keys, vals, offset, cache.group_size, cache.bits)
-    else:
-        cache.state = (keys, vals, offset, cache.keep, cache.max_size, _field(plain, prefix, "idx", int))
-    return cache
+    return _codec_named(_field(plain, prefix, "class", str)).build(module, plain, prefix, arrays)
+
+
+def memory_of(layer_caches: list) -> Memory:
+    """The memory kind of a model whose layers keep `layer_caches` (one sequence's, as mlx-lm's
+    make_prompt_cache builds them): recurrent arrays make it recurrent (hybrid beside attention
+    caches), rotating caches make it a sliding window of their max_size (gemma3_text keeps a
+    RotatingKVCache on its window layers and a KVCache on the others)."""
+    flat = [member for cache in layer_caches for member in members(cache)]
+    recurrent = any(not codec_of(cache).attention for cache in flat)
+    attention = any(codec_of(cache).attention for cache in flat)
+    windows = [window(cache) for cache in flat if window(cache)]
+    if recurrent:
+        if not attention:
+            return Memory("recurrent")
+        return Memory("hybrid-iswa", min(windows)) if windows else Memory("hybrid")
+    return Memory("iswa", min(windows)) if windows else Memory("kv")
+
+
+def _codec_named(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise StateError(f"pool entry names cache kind {name!r}; this adapter builds {', '.join(KINDS)}") from None
 
 
 def _field(plain, prefix, key, kind_):
@@ -235,21 +388,3 @@ def _array(arrays, name):
         return arrays[name]
     except KeyError:
         raise StateError(f"pool entry lacks the array {name} its cache values call for") from None
-
-
-def memory_of(layer_caches: list) -> Memory:
-    """The memory kind of a model whose layers keep `layer_caches` (one sequence's, as mlx-lm's
-    make_prompt_cache builds them): recurrent arrays make it recurrent (hybrid beside attention
-    caches), rotating caches make it a sliding window of their max_size (gemma3_text keeps a
-    RotatingKVCache on its window layers and a KVCache on the others)."""
-    flat = []
-    for cache in layer_caches:
-        flat.extend(cache.caches if kind(cache) == "CacheList" else [cache])
-    names = {kind(cache) for cache in flat}
-    windows = [cache.max_size for cache in flat if kind(cache) == "RotatingKVCache"]
-    attention = names & {"KVCache", "QuantizedKVCache", "RotatingKVCache"}
-    if "ArraysCache" in names:
-        if not attention:
-            return Memory("recurrent")
-        return Memory("hybrid-iswa", min(windows)) if windows else Memory("hybrid")
-    return Memory("iswa", min(windows)) if windows else Memory("kv")

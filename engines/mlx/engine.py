@@ -95,12 +95,12 @@ class MlxEngine(Adapter):
         return [self._convert(layer) for layer in self._module.make_prompt_cache(self._model)]
 
     def _convert(self, layer):
-        name = type(layer).__name__
-        if name == "KVCache" and self._values["max_kv_size"]:
+        codec = caches.lookup(layer)  # a class the adapter does not know is refused later, by name
+        if isinstance(codec, caches.KV) and self._values["max_kv_size"]:
             return self._module.RotatingKVCache(max_size=self._values["max_kv_size"], keep=ROTATING_KEEP)
-        if name == "KVCache" and self._values["kv_bits"]:
+        if isinstance(codec, caches.KV) and self._values["kv_bits"]:
             return self._module.QuantizedKVCache(group_size=self._values["kv_group_size"], bits=self._values["kv_bits"])
-        if name == "CacheList":
+        if isinstance(codec, caches.List):
             return self._module.CacheList(*(self._convert(member) for member in layer.caches))
         return layer
 
@@ -239,22 +239,17 @@ class MlxEngine(Adapter):
         return reclaimed
 
     def _compact_cache(self, cache) -> int:
-        name = type(cache).__name__
-        if name == "CacheList":
+        codec = caches.codec_of(cache)
+        if isinstance(codec, caches.List):
             return sum(self._compact_cache(member) for member in cache.caches)
-        if name not in ("KVCache", "QuantizedKVCache") or cache.keys is None:
+        if not codec.grows or cache.keys is None:
             return 0
-        step = caches.step_of(self._module, name)
-        capacity = caches.room_for(cache.offset, step)
+        capacity = caches.room_for(cache.offset, caches.step_of(self._module, codec.name))
         held = caches.buffers(cache)
         if held[0].shape[2] <= capacity:
             return 0
         before, live = caches.held_nbytes(cache), caches.live_nbytes(cache)
-        if name == "KVCache":
-            cache.keys, cache.values = (self._regrow(b, cache.offset, capacity) for b in (cache.keys, cache.values))
-        else:
-            cache.keys, cache.values = (tuple(self._regrow(b, cache.offset, capacity) for b in group)
-                                        for group in (cache.keys, cache.values))
+        codec.regrow(cache, lambda buffer: self._regrow(buffer, cache.offset, capacity))
         self._mx.eval(caches.buffers(cache))
         self._copied += live
         self._copies += len(held)

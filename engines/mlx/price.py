@@ -21,19 +21,9 @@ def layer_kv(cache, after_one: int, after_two: int) -> LayerKV:
     fixed = after_one - per_token
     if per_token == 0:
         return LayerKV(0, 0, 0, "bytes", "bytes", Attention.NONE, fixed_bytes=after_one)
-    window = _window(cache)
+    window = caches.window(cache)
     attention = Attention.WINDOW if window else Attention.FULL
     return LayerKV(1, per_token, 0, "bytes", "bytes", attention, window, fixed_bytes=max(fixed, 0))
-
-
-def _window(cache) -> int:
-    name = type(cache).__name__
-    if name == "RotatingKVCache":
-        return cache.max_size
-    if name == "CacheList":
-        windows = [_window(member) for member in cache.caches]
-        return max(windows) if all(windows) else 0
-    return 0
 
 
 def measure(layers: Sequence, after_one: Sequence[int], after_two: Sequence[int]) -> ModelKV:
