@@ -30,6 +30,7 @@ from engines import models  # noqa: E402
 from engines.base import StepRequest  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 from kvpool import Budget, Pool  # noqa: E402
+from superfluid import transfer  # noqa: E402
 
 TEXT = ("Shared memory lets several processes see the same bytes. A key-value cache holds the attention state "
         "of every token a language model has read, so that the next token costs one step. ")
@@ -52,15 +53,15 @@ def bench_length(run: Run, engine: LlamaCppEngine, pool: Pool, high_level, n: in
     run.measure(f"raw get_data {n}", lambda: api.llama_state_seq_get_data(ctx, pointer, size, seq), repeat=repeat,
                 nbytes=size)
     held = Holder(pool)
-    run.measure(f"export {n}", lambda: held.hold(engine.export(seq, pool, tokens)), repeat=repeat,
+    run.measure(f"export {n}", lambda: held.hold(transfer.export(engine, pool, seq, tokens)), repeat=repeat,
                 setup=held.drop, nbytes=size)
     held.drop()
-    entry = engine.export(seq, pool, tokens)
+    entry = transfer.export(engine, pool, seq, tokens)
     target = engine.new_sequence()
 
     def restore():
         with pool.get(entry.id) as view:  # checksum verified here
-            engine.import_(target, view)
+            transfer.import_(engine, target, view)
 
     run.measure(f"import {n}", restore, repeat=repeat, nbytes=size)
     run.measure(f"raw set_data {n}", lambda: api.llama_state_seq_set_data(ctx, pointer, size, target), repeat=repeat,

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import Holder, Run  # noqa: E402
 from engines import models  # noqa: E402
+from superfluid import transfer  # noqa: E402
 
 TEXT = ("Shared memory lets several processes see the same bytes. A key-value cache holds the attention state "
         "of every token a language model has read, so that the next token costs one step. ")
@@ -97,15 +98,15 @@ def bench_state(run: Run, model: Path, tokens: int, repeat: int) -> None:
     pool = Pool.create(f"bench-mlx-{os.getpid()}", size, budget=Budget(size, None, "benchmark"))
     try:
         held = Holder(pool)
-        run.measure(f"export {tokens}", lambda: held.hold(engine.export(seq, pool, prompt)), repeat=repeat,
+        run.measure(f"export {tokens}", lambda: held.hold(transfer.export(engine, pool, seq, prompt)), repeat=repeat,
                     setup=held.drop, nbytes=nbytes)
         held.drop()
-        entry = engine.export(seq, pool, prompt)
+        entry = transfer.export(engine, pool, seq, prompt)
         other = engine.new_sequence()
 
         def restore():
             with pool.get(entry.id, verify=False) as view:  # verified while copying
-                engine.import_(other, view)
+                transfer.import_(engine, other, view)
 
         run.measure(f"import {tokens}", restore, repeat=repeat, nbytes=nbytes)
         with tempfile.TemporaryDirectory() as scratch:

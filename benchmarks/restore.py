@@ -27,6 +27,7 @@ from benchmarks.harness import Holder, Run
 from engines import registry
 from engines.base import StepRequest
 from kvpool import Budget, Pool, pricing
+from superfluid import transfer
 
 TEXT = ("Shared memory lets several processes see the same bytes. A key-value cache holds the attention state "
         "of every token a language model has read, so that the next token costs one step. ")
@@ -44,9 +45,10 @@ def prompt_of(engine, tokens: int) -> list[int]:
 
 
 def bench_engine(run: Run, runtime: str, model: Path, lengths: list[int], repeat: int,
-                 tick: Callable[[str], None]) -> None:
-    """Every figure above for `runtime` at each of `lengths` tokens."""
-    name = NAMES[runtime]
+                 tick: Callable[[str], None], label: str | None = None) -> None:
+    """Every figure above for `runtime` at each of `lengths` tokens (figures named by `label`,
+    default the runtime's name)."""
+    name = label or NAMES[runtime]  # figures are named by it: a second model needs its own
     n_ctx = max(lengths) * 2 + 512
     options = dict(ENGINE_OPTIONS[runtime], **({"n_ctx": n_ctx} if runtime == "llamacpp" else {}))
     engine = registry.adapter(runtime)(model, **options)
@@ -76,7 +78,7 @@ def _bench_length(run: Run, name: str, engine, pool: Pool, own: "_OwnCache", n: 
     prompt = prompt_of(engine, n)
     seq = engine.new_sequence()
     refill = run.measure(f"{name} prefill {n}", lambda: _refill(engine, seq, prompt), repeat=1, warmup=0)
-    entry = engine.export(seq, pool, prompt)
+    entry = transfer.export(engine, pool, seq, prompt)
     nbytes = entry.live_bytes
 
     source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
@@ -85,8 +87,8 @@ def _bench_length(run: Run, name: str, engine, pool: Pool, own: "_OwnCache", n: 
     del source, target
 
     held = Holder(pool)
-    export = run.measure(f"{name} export {n}", lambda: held.hold(engine.export(seq, pool, prompt)), repeat=repeat,
-                         setup=held.drop, nbytes=nbytes)
+    export = run.measure(f"{name} export {n}", lambda: held.hold(transfer.export(engine, pool, seq, prompt)),
+                         repeat=repeat, setup=held.drop, nbytes=nbytes)
     held.drop()
     restored: list[int] = []
 
@@ -98,7 +100,7 @@ def _bench_length(run: Run, name: str, engine, pool: Pool, own: "_OwnCache", n: 
         other = engine.new_sequence()
         restored.append(other)
         with pool.get(entry.id, verify=False) as view:  # as the Host does: verified by the import
-            engine.import_(other, view)
+            transfer.import_(engine, other, view)
 
     restore_figure = run.measure(f"{name} restore {n}", restore, repeat=repeat, setup=free_restored, nbytes=nbytes)
     free_restored()

@@ -13,6 +13,7 @@ from engines import models
 from engines.base import StepRequest
 from engines.llamacpp.engine import LlamaCppEngine
 from kvpool import Budget, Pool
+from superfluid import transfer
 
 TOKENS = 1024
 
@@ -35,7 +36,7 @@ def test_export(benchmark, setup):
     engine, pool, seq, tokens = setup
 
     def export_then_drop():
-        info = engine.export(seq, pool, tokens)
+        info = transfer.export(engine, pool, seq, tokens)
         pool.release(info.id)
         pool.evict(info.id)
 
@@ -44,12 +45,12 @@ def test_export(benchmark, setup):
 
 def test_import(benchmark, setup):
     engine, pool, seq, tokens = setup
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     target = engine.new_sequence()
 
     def restore():
         with pool.get(info.id) as view:
-            engine.import_(target, view)
+            transfer.import_(engine, target, view)
 
     benchmark(restore)
     engine.free_sequence(target)

@@ -2,8 +2,10 @@
 
 An engine holds a model and its live KV cache, with several sequences in it. The host drives it
 from one thread (the scheduler thread that created it): it steps sequences forward, forks and
-truncates them, and parks their KV in the pool (`export`) or brings it back (`import_`). Each
-engine declares what one `step` can pack, so the scheduler plans within it:
+truncates them, describes a sequence's state for the pool (`snapshot`) and reads one back from a
+pool entry (`import_`). Engines never reserve, tag, commit or verify pool entries: the host does
+(`superfluid.transfer`), and hands them memory of the right size. Each engine declares what one
+`step` can pack, so the scheduler plans within it:
 
     llama.cpp  prefill chunks and decode tokens of many sequences in one forward
     mlx-lm     decode of many sequences in one forward; prefill apart; lanes joining or
@@ -12,13 +14,14 @@ engine declares what one `step` can pack, so the scheduler plans within it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 
-from kvpool import Device, EntryInfo, EntryView, Pool
+from kvpool import Device, EntryView, KVArray
 from kvpool.pricing import ModelKV
 
 
@@ -115,6 +118,25 @@ class EngineStats(msgspec.Struct, frozen=True):
     bytes_reclaimed: int = 0  # KV buffer bytes given back by compaction
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """One sequence's state as its engine stores it, not yet written anywhere: either an opaque
+    blob of `blob_bytes` that `write_blob` serialises straight into the memory it is given (the
+    one copy; llama.cpp), or named `arrays` (views of the engine's own buffers) with the plain
+    `engine_values` that rebuild its caches, which the pool copies once (MLX). Valid only until
+    the engine's next call: the views alias live buffers."""
+
+    blob_bytes: int | None = None
+    write_blob: Callable[[np.ndarray], None] | None = None
+    arrays: tuple[KVArray, ...] = ()
+    engine_values: dict | None = None
+
+    def __post_init__(self) -> None:
+        blob = self.write_blob is not None
+        if (self.blob_bytes is not None) != blob or (blob and self.arrays):
+            raise ValueError("a snapshot is a blob (blob_bytes and write_blob) or arrays, not both or half")
+
+
 class StepRequest(NamedTuple):
     """Tokens to append to one sequence in a step, and which logits to return for them."""
 
@@ -154,13 +176,15 @@ class Engine(Protocol):
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One forward over several sequences; per request, its logits (rows, vocab) or None."""
 
-    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
-               recompute_cost: float | None = None) -> EntryInfo | None:
-        """Write `seq`'s KV (covering `tokens`) straight into a new pool entry; None if the pool
-        has no room."""
+    def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
+        """`seq`'s state (covering `tokens`, one per position it holds), ready to be written into
+        memory the host reserves for it."""
 
     def import_(self, seq: int, view: EntryView) -> int:
-        """Replace `seq`'s KV with a pool entry's; the positions restored."""
+        """Replace `seq`'s state with a pool entry's, read from the entry's own memory (the one
+        copy). The host has checked the entry's identity; a blob must be verified already, arrays
+        are verified as they are copied. The positions restored; on a refusal `seq` is left
+        empty (StateError for a state this engine does not write, DataCorrupt for bad bytes)."""
 
     def stats(self) -> EngineStats:
         """Copies this engine made of KV bytes, and what compaction gave back."""

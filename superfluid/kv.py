@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from engines.errors import EngineError
 from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
+from superfluid import transfer
 from superfluid.errors import PinLimit, SuperfluidError
 from superfluid.lane import Live, Span
 from superfluid.log import Parked, SessionLog
@@ -204,7 +205,7 @@ class KVManager:
         after (0 when the entry was corrupt, gone or refused: those tokens are prefilled)."""
         try:
             with self.pool.get(entry, verify=False) as view:
-                restored = self.engine.import_(live.seq, view)
+                restored = transfer.import_(self.engine, live.seq, view)
         except (DataCorrupt, PoolError, EngineError) as exc:
             self.counters.import_failures += 1
             if isinstance(exc, DataCorrupt):
@@ -299,8 +300,8 @@ class KVManager:
         if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
             live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
             try:
-                info = self.engine.export(live.seq, self.pool, live.state.tokens[:live.kv],
-                                          tag=f"session:{live.state.id}")
+                info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv],
+                                       tag=f"session:{live.state.id}")
             except (PoolError, EngineError):
                 self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
                 info = None

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engines.base import Descriptor, EngineStats, Packing, StepRequest
+from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
 from engines.errors import EngineError, NoRoom
-from kvpool import Device, EntryInfo, EntryView, KVArray, Pool, pricing
+from kvpool import Device, EntryView, KVArray, pricing
 
 MASK = (1 << 32) - 1
 
@@ -142,20 +142,18 @@ class CellEngine:
 
     # ----------------------------------------------------------------------------- pool
 
-    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
-               recompute_cost: float | None = None) -> EntryInfo | None:
-        """The sequence's tokens and hashes as a new pool entry."""
+    def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
+        """The sequence's tokens and hashes, as the arrays of a pool entry."""
         cells = self._seqs[seq]
         if len(tokens) != len(cells):
             raise EngineError(f"sequence {seq} holds {len(cells)} positions but {len(tokens)} tokens were given")
         stored = [KVArray("tokens", np.array([self._token[c] for c in cells], np.int32), token_axis=0),
                   KVArray("hashes", np.array([self._hash[c] for c in cells], np.uint32), token_axis=0)]
-        return pool.put(self._descriptor.identity, tokens, stored, tag=tag, recompute_cost=recompute_cost)
+        return Snapshot(arrays=tuple(stored))
 
     def import_(self, seq: int, view: EntryView) -> int:
-        """Replace `seq`'s cells with a pool entry's (verified first); the positions restored."""
-        if view.info.identity != self._descriptor.identity:
-            raise EngineError(f"pool entry {view.info.id} is not this engine's")
+        """Replace `seq`'s cells with a pool entry's (verified first: they are read in place); the
+        positions restored."""
         if not view.verified:
             view.verify()
         arrays = view.arrays

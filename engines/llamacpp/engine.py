@@ -19,10 +19,10 @@ import numpy as np
 
 from engines import identity as identities
 from engines.adapter import Adapter
-from engines.base import Descriptor, EngineStats, Packing, StepRequest
-from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, RuntimeUnavailable, StateError)
+from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
+from engines.errors import EngineError, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
 from engines.llamacpp import blob, canary, library, memory, settings
-from kvpool import Device, EntryInfo, EntryView, Pool, host_memory_available, pricing
+from kvpool import Device, EntryView, host_memory_available, pricing
 
 RUNTIME = "llamacpp"
 CANARY_TOKENS = 8
@@ -338,37 +338,35 @@ class LlamaCppEngine(Adapter):
 
     # ----------------------------------------------------------------------------- pool
 
-    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
-               recompute_cost: float | None = None) -> EntryInfo | None:
-        """Write `seq`'s state straight into a new pool entry: llama.cpp serialises into the
-        shared-memory view (the one copy). None when the pool has no room."""
+    def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
+        """`seq`'s state as llama.cpp serialises it: a blob of llama_state_seq_get_size bytes,
+        written straight into the memory the host reserves (the one copy)."""
         length = self._length(seq)
         if len(tokens) != length:
             raise EngineError(f"sequence {seq} holds {length} positions but {len(tokens)} tokens were given")
         size = self._api.llama_state_seq_get_size(self._ctx, seq)
-        writer = pool.reserve_blob(self._descriptor.identity, tokens, size, tag=tag, recompute_cost=recompute_cost)
-        if writer is None:
-            return None
-        with writer:
-            target = writer.blob
+
+        def write(target: np.ndarray) -> None:
+            self._check_thread()
+            if target.nbytes != size or not target.flags.c_contiguous:
+                raise EngineError(f"sequence {seq}'s state needs {size} contiguous bytes; {target.nbytes} were given")
             written = self._api.llama_state_seq_get_data(self._ctx, target.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                                          size, seq)
             if written != size:
                 raise StateError(f"llama.cpp wrote {written} of {size} state bytes for sequence {seq}")
-            return writer.commit()
+
+        return Snapshot(blob_bytes=size, write_blob=write)
 
     def import_(self, seq: int, view: EntryView) -> int:
-        """Replace `seq`'s state with a pool entry's: identity first, then the checksum, then the
-        blob's structure, and only then llama.cpp reads it (from pool memory: the one copy).
-        On any refusal `seq` is left empty. Returns the positions restored."""
+        """Replace `seq`'s state with a pool entry's verified blob: its structure is walked and
+        checked against this model's first, and only then llama.cpp reads it, from pool memory
+        (the one copy). On a refusal `seq` is left empty. Returns the positions restored."""
         self._length(seq)
-        if view.info.identity != self._descriptor.identity:
-            raise IdentityMismatch(f"pool entry {view.info.id} was written by {view.info.identity}; this engine is "
-                                   f"{self._descriptor.identity} (other weights, cache types or settings)")
+        if not view.verified:
+            raise EngineError(f"pool entry {view.info.id} has not been verified; llama.cpp reads a blob in place and "
+                              "aborts the process on bad bytes, so check it first (EntryView.verify)")
         self._memory.seq_rm(self._mem, seq, -1, -1)
         self._lengths[seq] = 0
-        if not view.verified:
-            view.verify()
         state = view.blob
         cells = self._template.check(state, self._window)
         if cells != view.info.tokens:

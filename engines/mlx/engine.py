@@ -29,12 +29,12 @@ import numpy as np
 
 from engines import identity as identities
 from engines.adapter import Adapter
-from engines.base import Descriptor, EngineStats, Packing, StepRequest
-from engines.errors import (EngineError, IdentityMismatch, ModelLoadError, NoRoom, OptionError, RuntimeUnavailable,
+from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
+from engines.errors import (EngineError, ModelLoadError, NoRoom, OptionError, RuntimeUnavailable,
                             StateError)
 from engines.mlx import batch as batching
 from engines.mlx import blas, buffer_cache, caches, gguf, price, settings, vocab
-from kvpool import Device, EntryInfo, EntryView, KVArray, Pool
+from kvpool import Device, EntryView, KVArray
 
 RUNTIME = "mlx"
 ROTATING_KEEP = 4  # first tokens a rotating cache never drops (mlx-lm's own choice for max_kv_size)
@@ -349,18 +349,15 @@ class MlxEngine(Adapter):
 
     # ----------------------------------------------------------------------------- pool
 
-    def export(self, seq: int, pool: Pool, tokens: Sequence[int], *, tag: str = "",
-               recompute_cost: float | None = None) -> EntryInfo | None:
-        """Write `seq`'s live arrays into a new pool entry (numpy aliases MLX's buffers and the
-        pool copies each once) with the plain values that rebuild its caches in the entry's
-        layout record. None when the pool has no room."""
+    def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
+        """`seq`'s live arrays as numpy aliases of MLX's own buffers (nothing copied here; the pool
+        copies each once) with the plain values that rebuild its caches."""
         length = self._length(seq)
         if len(tokens) != length:
             raise EngineError(f"sequence {seq} holds {length} positions but {len(tokens)} tokens were given")
         if self._batched(seq):
             arrays, plain = self._lane_in_batch(seq)
-            return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost,
-                            engine_values=plain)
+            return Snapshot(arrays=tuple(arrays), engine_values=plain)
         layers = self._own(seq)
         self._mx.eval([caches.buffers(c) for c in layers])
         arrays, plain = [], {}
@@ -369,8 +366,7 @@ class MlxEngine(Adapter):
                 alias = self._alias(part.buffer)
                 arrays.append(KVArray(part.name, alias if part.live is None else alias[:, :, :part.live], part.token_axis))
             plain.update(caches.values(layer, f"{index}."))
-        return pool.put(self._descriptor.identity, tokens, arrays, tag=tag, recompute_cost=recompute_cost,
-                        engine_values=plain)
+        return Snapshot(arrays=tuple(arrays), engine_values=plain)
 
     def _lane_in_batch(self, seq: int):
         """The arrays and plain values of a decoding lane, read in place from the batch buffers
@@ -391,9 +387,6 @@ class MlxEngine(Adapter):
         then each cache built through the running mlx-lm's own state. On any refusal `seq` is
         left empty. Returns the positions restored."""
         self._own(seq)
-        if view.info.identity != self._descriptor.identity:
-            raise IdentityMismatch(f"pool entry {view.info.id} was written by {view.info.identity}; this engine is "
-                                   f"{self._descriptor.identity} (other weights, dtype or settings)")
         mx = self._mx
         self._unshare(seq)
         self._sequences[seq] = self._new_caches()

@@ -10,6 +10,7 @@ from engines.errors import EngineError, IdentityMismatch, NoRoom, OptionError, S
 from engines.llamacpp import blob as blobs, library, memory
 from engines.llamacpp.engine import LlamaCppEngine
 from kvpool import pricing
+from superfluid import transfer
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
 
@@ -48,7 +49,7 @@ def test_state_size_is_price_per_cell_plus_fixed(wide_model, pool, k, v, flash):
     engine = LlamaCppEngine(wide_model.gguf, n_ctx=512, cache_type_k=k, cache_type_v=v, flash_attn=flash)
     assert engine.describe().cell_price == pricing.bytes_per_token(pricing.uniform(2, 1, 64, k, value_type=v))
     seq, tokens, _ = prefill(engine)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     # [magic, seq id,] stream count, cell count, v_trans, n_layer, a 12-byte header per K and V row
     fixed = (8 if engine._template.header else 0) + 4 + 4 + 8 + 2 * 12 * 2
     assert info.live_bytes == fixed + len(tokens) * (engine.describe().cell_price + blobs.CELL_META)
@@ -63,13 +64,13 @@ def test_export_import_continues_identically(engine_for, pool, quant):
     the very same logits (bit for bit: the cells land where the original ones were)."""
     engine = engine_for(quant)
     seq, tokens, logits = prefill(engine)
-    info = engine.export(seq, pool, tokens, tag="t")
+    info = transfer.export(engine, pool, seq, tokens, tag="t")
     assert pool.stats().bytes_written == info.live_bytes  # one copy into the pool
     reference = greedy(engine, seq, logits, 6)
     other = engine.new_sequence()
     engine.free_sequence(seq)  # its cells are free again: the restored ones take their place
     with pool.get(info.id) as view:
-        assert engine.import_(other, view) == len(tokens)
+        assert transfer.import_(engine, other, view) == len(tokens)
     chosen, seen = greedy(engine, other, logits, 6)  # the same first choice, then the restored KV decides
     assert chosen == reference[0]
     np.testing.assert_array_equal(seen, reference[1])
@@ -77,7 +78,7 @@ def test_export_import_continues_identically(engine_for, pool, quant):
     fresh = engine_for(quant)
     target = fresh.new_sequence()
     with pool.get(info.id) as view:
-        fresh.import_(target, view)
+        transfer.import_(fresh, target, view)
     chosen, seen = greedy(fresh, target, logits, 6)
     assert chosen == reference[0]
     np.testing.assert_array_equal(seen, reference[1])
@@ -88,10 +89,10 @@ def test_import_beside_a_live_sequence(engine_for, pool):
     (its cells sit elsewhere in the cache, so sums group differently)."""
     engine = engine_for("f32")
     seq, tokens, logits = prefill(engine)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     other = engine.new_sequence()
     with pool.get(info.id) as view:
-        engine.import_(other, view)
+        transfer.import_(engine, other, view)
     first, second = greedy(engine, seq, logits, 5), greedy(engine, other, logits, 5)
     assert first[0] == second[0]
     np.testing.assert_allclose(first[1], second[1], rtol=0, atol=1e-5)
@@ -165,13 +166,13 @@ def test_a_long_prompt_spans_several_decodes(engine_for):
 def test_identity_differs_with_cache_type_and_import_is_refused(engine_for, pool):
     f16 = engine_for("f32", cache_type_k="f16")
     seq, tokens, _ = prefill(f16)
-    info = f16.export(seq, pool, tokens)
+    info = transfer.export(f16, pool, seq, tokens)
     q8 = engine_for("f32", cache_type_k="q8_0")
     assert q8.describe().identity != f16.describe().identity
     target = q8.new_sequence()
     q8.step([StepRequest(target, [1, 2, 3])])
     with pool.get(info.id) as view, pytest.raises(IdentityMismatch, match="written by"):
-        q8.import_(target, view)
+        transfer.import_(q8, target, view)
     assert q8.length(target) == 3  # refused before anything changed
     assert pool.info(info.id).tokens == len(tokens)
 
@@ -182,7 +183,7 @@ def test_corrupt_state_is_refused_before_llama_cpp_reads_it(engine_for, pool, da
     reaches llama.cpp, where it could abort the process."""
     engine = engine_for("f32")
     seq, tokens, _ = prefill(engine)
-    state = engine.export(seq, pool, tokens)
+    state = transfer.export(engine, pool, seq, tokens)
     with pool.get(state.id) as view:
         raw = np.array(view.blob)
     cells_at = 12 if engine._template.header else 4  # after [magic, seq id,] stream count
@@ -201,7 +202,7 @@ def test_corrupt_state_is_refused_before_llama_cpp_reads_it(engine_for, pool, da
     target = engine.new_sequence()
     engine.step([StepRequest(target, [1, 2])])
     with pool.get(forged.id) as view, pytest.raises(StateError):
-        engine.import_(target, view)
+        transfer.import_(engine, target, view)
     assert engine.length(target) == 0
     engine.step([StepRequest(target, [1, 2])])  # the engine still works
 
@@ -211,24 +212,24 @@ def test_pool_corruption_is_caught_by_the_checksum(engine_for, pool):
 
     engine = engine_for("f32")
     seq, tokens, _ = prefill(engine)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
     pool._store.arena[offset + 200] ^= 0x10
     target = engine.new_sequence()
     with pool.get(info.id, verify=False) as view, pytest.raises(DataCorrupt):
-        engine.import_(target, view)
+        transfer.import_(engine, target, view)
     assert engine.length(target) == 0
 
 
 def test_no_contiguous_room_is_an_error_not_a_crash(engine_for, pool):
     engine = engine_for("f32", n_ctx=256, n_seq_max=4)
     seq, tokens, _ = prefill(engine, PROMPT * 4)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     filler = engine.new_sequence()
     engine.step([StepRequest(filler, list(range(1, 256 - len(tokens) - 5)))])
     target = engine.new_sequence()
     with pool.get(info.id) as view, pytest.raises(NoRoom, match="contiguous free cells"):
-        engine.import_(target, view)
+        transfer.import_(engine, target, view)
     assert engine.length(target) == 0
 
 
@@ -237,11 +238,11 @@ def test_export_checks_the_tokens_and_the_pool_may_say_no(engine_for, make_pool)
     seq, tokens, _ = prefill(engine)
     small = make_pool(1 << 20, budget=2048)
     with pytest.raises(EngineError, match="tokens were given"):
-        engine.export(seq, small, tokens[:-1])
+        transfer.export(engine, small, seq, tokens[:-1])
     from kvpool import EntryTooLarge
 
     with pytest.raises(EntryTooLarge):
-        engine.export(seq, small, tokens)
+        transfer.export(engine, small, seq, tokens)
 
 
 def test_tokenize_round_trip_and_special_tokens(engine_for):
@@ -319,9 +320,9 @@ def test_an_import_counts_the_copy_llama_cpp_makes_from_pool_memory(engine_for, 
     engine = engine_for("f32")
     seq = engine.new_sequence()
     engine.step([StepRequest(seq, list(range(3, 40)), "none")])
-    info = engine.export(seq, pool, list(range(3, 40)))
+    info = transfer.export(engine, pool, seq, list(range(3, 40)))
     written = pool.stats().bytes_copied
     assert written == info.live_bytes
     with pool.get(info.id, verify=False) as view:
-        engine.import_(engine.new_sequence(), view)
+        transfer.import_(engine, engine.new_sequence(), view)
     assert pool.stats().bytes_copied == 2 * written

@@ -6,6 +6,7 @@ import pytest
 from engines import models
 from engines.base import StepRequest
 from engines.llamacpp.engine import LlamaCppEngine
+from superfluid import transfer
 
 pytestmark = pytest.mark.real_model
 
@@ -47,13 +48,13 @@ def test_a_thousand_tokens_round_trip_through_the_pool(smollm, make_pool):
     tokens = (smollm.tokenize(TEXT) * 40)[:1000]
     seq = smollm.new_sequence()
     logits = smollm.step([StepRequest(seq, tokens)])[0][0]
-    info = smollm.export(seq, pool, tokens, tag="real")
+    info = transfer.export(smollm, pool, seq, tokens, tag="real")
     assert info.tokens == 1000 and info.live_bytes > 1000 * smollm.describe().cell_price
     reference, _ = greedy_text(smollm, seq, logits, 8)
     other = smollm.new_sequence()
     smollm.free_sequence(seq)
     with pool.get(info.id) as view:
-        assert smollm.import_(other, view) == 1000
+        assert transfer.import_(smollm, other, view) == 1000
     again, _ = greedy_text(smollm, other, logits, 8)
     smollm.free_sequence(other)
     assert again == reference

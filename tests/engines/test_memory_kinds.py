@@ -1,5 +1,6 @@
-"""The engine contract on every memory kind llama.cpp has: plain KV, sliding window (iSWA),
-recurrent and hybrid, each on a tiny random-weight model built at test time (tests/memorykinds.py).
+"""The engine contract on every memory kind: plain KV, sliding window (iSWA), recurrent and
+hybrid, each on a tiny random-weight model built at test time (tests/memorykinds.py) and run by
+llama.cpp and, where mlx-lm has the architecture, by MLX on the same weights.
 
 What must hold on each: a step; a fork that continues exactly as its parent; a cut back where the
 memory allows it and a refusal that changes nothing where it does not; an export and import that
@@ -16,20 +17,28 @@ from engines.base import StepRequest
 from engines.errors import EngineError, StateError
 from engines.llamacpp import memory
 from engines.llamacpp.engine import LlamaCppEngine
+from engines.mlx.engine import MlxEngine
+from kvpool import KVArray
 from kvpool import pricing
+from superfluid import transfer
 from tests import memorykinds, tinymodels
 
 KINDS = ("kv", "iswa", "recurrent", "hybrid", "hybrid-iswa")
 
 
+MLX_KINDS = ("iswa", "recurrent", "hybrid")  # mlx-lm has no windowed LFM2
+CASES = [("llamacpp", kind) for kind in KINDS] + [("mlx", kind) for kind in MLX_KINDS]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """kind -> the GGUF of a tiny model of that memory kind (and its window, 0 if none)."""
+    """kind -> (the GGUF of a tiny model of that memory kind, its window or 0, its mlx-lm directory)."""
     directory = tmp_path_factory.mktemp("memory-kinds")
-    models = {"kv": (tinymodels.build(directory / "kv").gguf, 0)}
+    kv = tinymodels.build(directory / "kv")
+    models = {"kv": (kv.gguf, 0, None)}
     for kind in KINDS[1:]:
         model = memorykinds.build(kind.replace("-", "_"), directory / kind)
-        models[kind] = (model.gguf, model.window or 0)
+        models[kind] = (model.gguf, model.window or 0, model.mlx)
     return models
 
 
@@ -37,8 +46,11 @@ def built(tmp_path_factory):
 def engine_of(built):
     opened = []
 
-    def make(kind: str, **options):
-        engine = LlamaCppEngine(built[kind][0], n_ctx=256, n_seq_max=4, threads=1, threads_batch=1, **options)
+    def make(kind: str, runtime: str = "llamacpp", **options):
+        if runtime == "mlx":
+            engine = MlxEngine(built[kind][2], **options)
+        else:
+            engine = LlamaCppEngine(built[kind][0], n_ctx=256, n_seq_max=4, threads=1, threads_batch=1, **options)
         opened.append(engine)
         return engine
 
@@ -65,6 +77,15 @@ def run(engine, seq, logits, steps=6):
     return tokens, seen
 
 
+def assert_refused_untouched(engine, pool, entry: int, tokens: list[int]) -> None:
+    """Importing `entry` raises StateError, leaves the target empty, and the engine works on."""
+    target = engine.new_sequence()
+    with pool.get(entry) as view, pytest.raises(StateError):
+        transfer.import_(engine, target, view)
+    assert engine.length(target) == 0
+    feed(engine, target, tokens[:4])
+
+
 def prompt(length: int, salt: int = 0) -> list[int]:
     return [1 + (i * 7 + salt) % 250 for i in range(length)]
 
@@ -72,14 +93,16 @@ def prompt(length: int, salt: int = 0) -> list[int]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kind_is_described(engine_of, built, kind):
     engine = engine_of(kind)
+    if built[kind][2] is not None:  # mlx-lm reads the same kind from its cache classes
+        assert engine_of(kind, "mlx").describe().memory == engine.describe().memory
     described = engine.describe().memory
     assert described.kind == kind and described.window == built[kind][1]
     assert described.recurrent == kind.startswith(("recurrent", "hybrid"))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_fork_continues_as_its_parent(engine_of, kind):
-    engine = engine_of(kind)
+@pytest.mark.parametrize("runtime, kind", CASES)
+def test_a_fork_continues_as_its_parent(engine_of, runtime, kind):
+    engine = engine_of(kind, runtime)
     parent = engine.new_sequence()
     logits = feed(engine, parent, prompt(40))
     child = engine.fork(parent)
@@ -87,8 +110,9 @@ def test_a_fork_continues_as_its_parent(engine_of, kind):
     expected, _ = run(engine, parent, logits)
     got, _ = run(engine, child, logits)
     assert got == expected
-    copied = engine.stats().bytes_copied
-    assert (copied > 0) == engine.describe().memory.recurrent  # a recurrent state is copied, and counted
+    if runtime == "llamacpp":  # (MLX counts the copy at the first write after any fork)
+        copied = engine.stats().bytes_copied
+        assert (copied > 0) == engine.describe().memory.recurrent  # a recurrent state is copied, and counted
 
 
 @pytest.mark.parametrize("kind", ["kv", "iswa"])
@@ -109,11 +133,11 @@ def test_a_cut_back_out_of_reach_is_refused_untouched(engine_of, pool, kind):
     tokens = prompt(60)
     seq = engine.new_sequence()
     logits = feed(engine, seq, tokens)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     expected, _ = run(engine, seq, logits, 3)
     restored = engine.new_sequence()
     with pool.get(info.id) as view:
-        engine.import_(restored, view)  # a restored window state holds only the window's positions
+        transfer.import_(engine, restored, view)  # a restored window state holds only the window's positions
     keep = 2 if kind == "iswa" else 59
     with pytest.raises(EngineError, match="cannot cut"):
         engine.truncate(restored, keep)
@@ -121,18 +145,18 @@ def test_a_cut_back_out_of_reach_is_refused_untouched(engine_of, pool, kind):
     assert run(engine, restored, logits, 3)[0] == expected  # as it was
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_export_and_import_continue_as_the_uninterrupted_sequence(engine_of, pool, kind):
-    engine = engine_of(kind)
+@pytest.mark.parametrize("runtime, kind", CASES)
+def test_export_and_import_continue_as_the_uninterrupted_sequence(engine_of, pool, runtime, kind):
+    engine = engine_of(kind, runtime)
     tokens = prompt(45, salt=3)
     seq = engine.new_sequence()
     logits = feed(engine, seq, tokens)
-    info = engine.export(seq, pool, tokens, tag="kinds")
+    info = transfer.export(engine, pool, seq, tokens, tag="kinds")
     expected, expected_logits = run(engine, seq, logits)
     engine.free_sequence(seq)
     other = engine.new_sequence()
     with pool.get(info.id) as view:
-        assert engine.import_(other, view) == 45
+        assert transfer.import_(engine, other, view) == 45
     got, got_logits = run(engine, other, logits)
     assert got == expected
     # bit for bit where the restored cells land where the original ones were; a window cache
@@ -148,7 +172,7 @@ def test_the_price_is_what_the_pool_stores(engine_of, pool, kind):
         seq = engine.new_sequence()
         tokens = prompt(length, salt=length)
         feed(engine, seq, tokens)
-        info = engine.export(seq, pool, tokens)
+        info = transfer.export(engine, pool, seq, tokens)
         priced = pricing.state_bytes(described.model_kv, length)
         assert info.live_bytes == priced + memory.state_overhead(engine._template, length, described.memory.window)
         engine.free_sequence(seq)
@@ -161,7 +185,7 @@ def test_a_corrupt_state_is_refused_without_a_crash(engine_of, pool, kind, damag
     tokens = prompt(30, salt=5)
     seq = engine.new_sequence()
     feed(engine, seq, tokens)
-    info = engine.export(seq, pool, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
     with pool.get(info.id) as view:
         raw = np.array(view.blob)
     if damage == "truncate":
@@ -173,8 +197,33 @@ def test_a_corrupt_state_is_refused_without_a_crash(engine_of, pool, kind, damag
     else:  # the first part's first count (streams, or a recurrent state's cells)
         raw[8:12] = np.frombuffer(np.uint32(1 << 20).tobytes(), np.uint8)
     forged = pool.put_blob(engine.describe().identity, tokens, raw)
-    target = engine.new_sequence()
-    with pool.get(forged.id) as view, pytest.raises(StateError):
-        engine.import_(target, view)
-    assert engine.length(target) == 0
-    feed(engine, target, tokens[:4])  # the engine still works
+    assert_refused_untouched(engine, pool, forged.id, tokens)
+
+
+@pytest.mark.parametrize("kind", MLX_KINDS)
+def test_mlx_refuses_a_cut_back_it_cannot_make_exactly(engine_of, kind):
+    # MLX is stricter than llama.cpp: a rotating cache that has wrapped is never cut back, even
+    # where llama.cpp's window cache still holds the positions; the host restores a checkpoint
+    engine = engine_of(kind, "mlx")
+    tokens = prompt(60)
+    seq = engine.new_sequence()
+    logits = feed(engine, seq, tokens)
+    with pytest.raises(EngineError, match="cut back"):
+        engine.truncate(seq, 30)
+    assert engine.length(seq) == 60
+    reference = engine.new_sequence()
+    feed(engine, reference, tokens)
+    assert run(engine, seq, logits, 3)[0] == run(engine, reference, logits, 3)[0]
+
+
+@pytest.mark.parametrize("kind", MLX_KINDS)
+def test_mlx_refuses_a_state_of_other_caches_without_a_crash(engine_of, pool, kind):
+    engine = engine_of(kind, "mlx")
+    tokens = prompt(30, salt=5)
+    seq = engine.new_sequence()
+    feed(engine, seq, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
+    with pool.get(info.id) as view:  # the same arrays but the last one (MLX entries hold arrays)
+        arrays = [KVArray(name, np.array(array)) for name, array in list(view.arrays.items())[:-1]]
+    forged = pool.put(engine.describe().identity, tokens, arrays)
+    assert_refused_untouched(engine, pool, forged.id, tokens)

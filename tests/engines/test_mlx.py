@@ -8,6 +8,7 @@ from engines.errors import EngineError, IdentityMismatch, ModelLoadError, Option
 from engines.mlx import settings
 from engines.mlx.engine import MlxEngine
 from kvpool import DataCorrupt, KVArray, pricing
+from superfluid import transfer
 from tests import tinymodels
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -50,32 +51,32 @@ def test_same_logits_as_llama_cpp_and_each_refuses_the_others_state(mlx_engine, 
     all_mlx = mlx_engine.step([StepRequest(mlx_engine.new_sequence(), tokens, "all")])[0]
     np.testing.assert_allclose(all_mlx, llama_logits, rtol=0, atol=1e-4)
     np.testing.assert_allclose(mlx_logits, llama_logits[-1], rtol=0, atol=1e-4)
-    from_mlx = mlx_engine.export(seq, pool, tokens)
-    from_llama = llama.export(llama_seq, pool, tokens)
+    from_mlx = transfer.export(mlx_engine, pool, seq, tokens)
+    from_llama = transfer.export(llama, pool, llama_seq, tokens)
     with pool.get(from_mlx.id) as view, pytest.raises(IdentityMismatch):
-        llama.import_(llama.new_sequence(), view)
+        transfer.import_(llama, llama.new_sequence(), view)
     with pool.get(from_llama.id) as view, pytest.raises(IdentityMismatch):
-        mlx_engine.import_(mlx_engine.new_sequence(), view)
+        transfer.import_(mlx_engine, mlx_engine.new_sequence(), view)
 
 
 def test_export_import_continues_identically_with_one_copy_each_way(mlx_engine, pool):
     seq, tokens, logits = prefill(mlx_engine)
-    info = mlx_engine.export(seq, pool, tokens)
+    info = transfer.export(mlx_engine, pool, seq, tokens)
     assert info.live_bytes == len(tokens) * mlx_engine.describe().cell_price and info.slack_bytes == 0
     reference = greedy(mlx_engine, seq, logits, 6)
     other = mlx_engine.new_sequence()
     with pool.get(info.id, verify=False) as view:
-        assert mlx_engine.import_(other, view) == len(tokens)
+        assert transfer.import_(mlx_engine, other, view) == len(tokens)
     assert pool.stats().bytes_copied == 2 * info.live_bytes  # into the pool once, out of it once
     np.testing.assert_array_equal(greedy(mlx_engine, other, logits, 6), reference)
 
 
 def test_import_fills_a_step_rounded_buffer_that_grows_in_place(mlx_engine, pool):
     seq, tokens, _ = prefill(mlx_engine)
-    info = mlx_engine.export(seq, pool, tokens)
+    info = transfer.export(mlx_engine, pool, seq, tokens)
     other = mlx_engine.new_sequence()
     with pool.get(info.id) as view:
-        mlx_engine.import_(other, view)
+        transfer.import_(mlx_engine, other, view)
     cache = mlx_engine._sequences[other][0]
     buffer_before = cache.keys
     assert buffer_before.shape[2] == 256 and cache.offset == len(tokens)
@@ -89,10 +90,10 @@ def test_an_import_of_a_whole_step_leaves_room_so_the_next_token_copies_nothing(
     tokens = [int(t) for t in np.random.default_rng(3).integers(5, 290, 256)]
     seq = mlx_engine.new_sequence()
     mlx_engine.step([StepRequest(seq, tokens)])
-    info = mlx_engine.export(seq, pool, tokens)
+    info = transfer.export(mlx_engine, pool, seq, tokens)
     other = mlx_engine.new_sequence()
     with pool.get(info.id, verify=False) as view:
-        mlx_engine.import_(other, view)
+        transfer.import_(mlx_engine, other, view)
     cache = mlx_engine._sequences[other][0]
     address = buffer_address(cache.keys)
     assert cache.keys.shape[2] == 512 and cache.offset == 256
@@ -108,7 +109,7 @@ def test_price_comes_from_live_cells_not_the_grown_buffer(tmp_path, pool):
     seq = engine.new_sequence()
     engine.step([StepRequest(seq, [1])])
     assert engine._sequences[seq][0].keys.nbytes == 256 * 8  # what MLX holds for one token
-    info = engine.export(seq, pool, [1])
+    info = transfer.export(engine, pool, seq, [1])
     assert info.live_bytes == 16
     engine.close()
 
@@ -158,17 +159,17 @@ def test_prefill_in_chunks_equals_one_forward(tiny_mlx):
 
 def test_corrupt_or_foreign_pool_data_leaves_the_sequence_empty(mlx_engine, pool):
     seq, tokens, _ = prefill(mlx_engine)
-    info = mlx_engine.export(seq, pool, tokens)
+    info = transfer.export(mlx_engine, pool, seq, tokens)
     offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
     pool._store.arena[offset + 8] ^= 0x40
     target = mlx_engine.new_sequence()
     mlx_engine.step([StepRequest(target, [1, 2])])
     with pool.get(info.id, verify=False) as view, pytest.raises(DataCorrupt):
-        mlx_engine.import_(target, view)
+        transfer.import_(mlx_engine, target, view)
     assert mlx_engine.length(target) == 0
     wrong = pool.put(mlx_engine.describe().identity, [1, 2], [KVArray("0.k", np.zeros((1, 2, 2, 16), np.float32), 2)])
     with pool.get(wrong.id) as view, pytest.raises(StateError, match="does not hold this model's caches"):
-        mlx_engine.import_(target, view)
+        transfer.import_(mlx_engine, target, view)
     assert mlx_engine.length(target) == 0
     # the right arrays, but cache values this adapter did not write: refused before any copy
     arrays = [KVArray(f"{i}.{p}", np.zeros((1, 2, 2, 16), np.float32), 2) for i in range(2) for p in "kv"]
@@ -177,7 +178,7 @@ def test_corrupt_or_foreign_pool_data_leaves_the_sequence_empty(mlx_engine, pool
                     "1.empty": 0}):
         forged = pool.put(mlx_engine.describe().identity, [1, 2], arrays, engine_values=values)
         with pool.get(forged.id) as view, pytest.raises(StateError, match="cache value 0.(offset|empty)"):
-            mlx_engine.import_(target, view)
+            transfer.import_(mlx_engine, target, view)
         assert mlx_engine.length(target) == 0
 
 

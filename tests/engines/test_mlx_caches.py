@@ -10,6 +10,7 @@ from engines.errors import EngineError, NoRoom
 from engines.mlx import caches
 from engines.mlx.engine import MlxEngine
 from kvpool.pricing import Attention
+from superfluid import transfer
 from tests import tinymodels
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -31,10 +32,10 @@ def round_trip_continues_identically(engine, pool, prompt, more):
     """Export after `prompt`, import into a new sequence, and both continue with `more` alike."""
     seq = engine.new_sequence()
     engine.step([StepRequest(seq, prompt, "none")])
-    info = engine.export(seq, pool, prompt)
+    info = transfer.export(engine, pool, seq, prompt)
     other = engine.new_sequence()
     with pool.get(info.id) as view:
-        assert engine.import_(other, view) == len(prompt)
+        assert transfer.import_(engine, other, view) == len(prompt)
     np.testing.assert_array_equal(run(engine, other, more), run(engine, seq, more))
     return info
 
@@ -72,11 +73,11 @@ def test_a_rotating_cache_round_trips_before_and_after_it_wraps(tiny_mlx, pool):
     ring = engine.new_sequence()
     engine.step([StepRequest(ring, tokens_of(100), "none")])
     run(engine, ring, tokens_of(20, 5))
-    info = engine.export(ring, pool, tokens_of(100) + tokens_of(20, 5))
+    info = transfer.export(engine, pool, ring, tokens_of(100) + tokens_of(20, 5))
     assert info.tokens == 120 and info.live_bytes == 64 * engine.describe().cell_price
     other = engine.new_sequence()
     with pool.get(info.id) as view:
-        engine.import_(other, view)
+        transfer.import_(engine, other, view)
     np.testing.assert_array_equal(run(engine, other, tokens_of(9, 6)), run(engine, ring, tokens_of(9, 6)))
     wrapped = engine.new_sequence()
     engine.step([StepRequest(wrapped, tokens_of(150), "none")])
@@ -161,7 +162,7 @@ def test_sequences_decode_together_with_their_join_and_leave_counted(tiny_mlx, p
     assert [engine.length(s) for s in seqs] == [len(p) + 5 for p in prompts]
     # an export reads a lane in place; a step of one member alone takes every lane back out
     # (one copy each), and it goes on as before
-    info = engine.export(seqs[1], pool, prompts[1] + [40, 41, 42, 43, 44])
+    info = transfer.export(engine, pool, seqs[1], prompts[1] + [40, 41, 42, 43, 44])
     assert engine.stats().bytes_copied - before == live
     np.testing.assert_allclose(run(engine, seqs[1], [7]), run(engine, alone[1], [7]), rtol=0, atol=1e-5)
     assert engine.stats().bytes_copied - before == live + live + 3 * 5 * price
@@ -207,11 +208,11 @@ def test_a_decoding_lane_is_exported_from_the_batch_without_leaving_it(tiny_mlx,
     for i in range(3):
         engine.step([StepRequest(s, [40 + i]) for s in seqs])
     copied = engine.stats().bytes_copied
-    info = engine.export(seqs[1], pool, prompts[1] + [40, 41, 42])
+    info = transfer.export(engine, pool, seqs[1], prompts[1] + [40, 41, 42])
     assert engine._batch is not None and engine.stats().bytes_copied == copied  # still batched, nothing copied
     assert info.live_bytes == 12 * engine.describe().cell_price
     other = engine.new_sequence()
     with pool.get(info.id) as view:
-        engine.import_(other, view)
+        transfer.import_(engine, other, view)
     np.testing.assert_allclose(run(engine, other, [7]), run(engine, seqs[1], [7]), rtol=0, atol=1e-5)
     engine.close()
