@@ -8,7 +8,8 @@ Measured side by side in the same run, each a median with its range and a ratio 
 1. restore and share through the pool against numpy memcpy of the same bytes (both engines);
 2. our restore against llama-cpp-python's LlamaRAMCache path (save_state / load_state) and mlx-lm's
    LRUPromptCache fetch, at 256, 1,024 and 4,096 tokens;
-3. warm against cold time to first token by context, 256 to 4,096 tokens, both engines;
+3. warm against cold time to first token by context, 256 to 4,096 tokens, both engines; 1 and 3
+   again on Gemma 3 270M through llama.cpp (a sliding window on 5 of every 6 layers);
 4. 16 requests on one 1,000-token prefix at once: prompt tokens evaluated and the time until the
    last answer, `superfluid serve` against llama-cpp-python's server with its cache and without;
 5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache)
@@ -46,6 +47,7 @@ from kvpool import segment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERACTIVE = "interactive first token behind background sessions, against idle"
+GEMMA = "llama.cpp, Gemma 3"
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,11 @@ class Sizes:
         """Samples at one context length (the long ones cost minutes each on 2 cores)."""
         return self.ttft_repeat_short if context <= 1024 else self.ttft_repeat_long
 
-    def steps(self, runtimes: list[str]) -> int:
-        """Progress-bar steps the run takes."""
+    def steps(self, engines: int) -> int:
+        """Progress-bar steps the run takes with `engines` engine-level runs (runtimes and models)."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
         servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
-        return len(runtimes) * per_engine + servers + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
+        return engines * per_engine + servers + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
@@ -111,10 +113,13 @@ def remove_own_pools() -> list[str]:
     return removed
 
 
-def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress) -> Run:
-    """Every comparison, ticking `progress` (a tqdm bar) as each step ends."""
+def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress, second: Path | None = None) -> Run:
+    """Every comparison, ticking `progress` (a tqdm bar) as each step ends; the engine-level ones
+    also on `second` (Gemma 3 270M) through llama.cpp when given."""
     run = Run(name)
     run.note("model", model.name)
+    if second is not None:
+        run.note("second model", second.name)
 
     def tick(step: str) -> None:
         progress.set_postfix_str(step, refresh=False)
@@ -126,6 +131,11 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress)
     for runtime in runtimes:
         progress.set_description(f"first token ({ttft.NAMES[runtime]})")
         ttft.bench_engine(run, runtime, model, list(sizes.contexts), sizes.ttft_repeat, tick)
+    if second is not None:  # a second family: a sliding window on most layers (llama.cpp's iSWA memory)
+        progress.set_description(f"restore ({GEMMA})")
+        restore.bench_engine(run, "llamacpp", second, list(sizes.lengths), sizes.restore_repeat, tick, label=GEMMA)
+        progress.set_description(f"first token ({GEMMA})")
+        ttft.bench_engine(run, "llamacpp", second, list(sizes.contexts), sizes.ttft_repeat, tick, label=GEMMA)
     progress.set_description("servers")
     servers.bench(run, model, requests=sizes.burst_requests, prefix=sizes.burst_prefix,
                   counts=list(sizes.concurrency), tokens=sizes.decode_tokens, repeat=sizes.decode_repeat, tick=tick)
@@ -150,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "benchmarks/results/quick/ with --quick)")
     parser.add_argument("--model", type=Path, help="a GGUF file (default: SmolLM2-135M-Instruct from PyPI)")
     parser.add_argument("--runtimes", default="llamacpp,mlx", help="engines for the engine-level comparisons")
+    parser.add_argument("--second-model", type=Path, help="a GGUF of another family for the engine-level "
+                        "comparisons on llama.cpp (default: Gemma 3 270M from PyPI)")
+    parser.add_argument("--no-second-model", action="store_true", help="the first model only")
     parser.add_argument("--fail-on-regression", action="store_true", help="exit 1 when a ratio got worse")
     args = parser.parse_args(argv)
     runtimes = [r for r in args.runtimes.split(",") if r]
@@ -161,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     out_dir = args.out_dir or (ROOT / "benchmarks" / "results" / "quick" if args.quick else ROOT / "docs")
     model = args.model or models.default_model(progress=print)
+    second = None if args.no_second_model else Path(args.second_model or models.gemma3_model(progress=print))
     try:
-        with tqdm(total=sizes.steps(runtimes), unit="step", dynamic_ncols=True) as progress:
-            run = run_all(sizes, Path(model), runtimes, "bench-quick" if args.quick else "bench", progress)
+        engines = len(runtimes) + (second is not None)
+        with tqdm(total=sizes.steps(engines), unit="step", dynamic_ncols=True) as progress:
+            run = run_all(sizes, Path(model), runtimes, "bench-quick" if args.quick else "bench", progress, second)
     finally:
         remove_own_pools()
     result = run.as_dict()

@@ -44,9 +44,10 @@ def open_host(runtime: str, model: Path, context: int, scratch: str) -> Host:
 
 
 def bench_engine(run: Run, runtime: str, model: Path, contexts: list[int], repeat: Callable[[int], int],
-                 tick: Callable[[str], None]) -> None:
-    """Warm and cold first-token times at each context length, `repeat(context)` samples each."""
-    name = NAMES[runtime]
+                 tick: Callable[[str], None], label: str | None = None) -> None:
+    """Warm and cold first-token times at each context length, `repeat(context)` samples each
+    (figures named by `label`, default the runtime's name)."""
+    name = label or NAMES[runtime]  # figures are named by it: a second model needs its own
     with tempfile.TemporaryDirectory() as scratch:
         host = open_host(runtime, model, max(contexts), scratch)
         try:
