@@ -56,11 +56,17 @@ MODELS = {"smollm2": SMOLLM2, "gemma3": GEMMA3}
 PACKAGE, VERSION, FILENAME, SIZE = SMOLLM2.package, SMOLLM2.version, SMOLLM2.filename, SMOLLM2.size
 
 
-def cache_dir() -> Path:
-    """Where models are kept: $SUPERFLUID_CACHE/models, else ~/.cache/superfluid/models."""
+def cache_root() -> Path:
+    """superfluid's cache: $SUPERFLUID_CACHE, else $XDG_CACHE_HOME/superfluid, else
+    ~/.cache/superfluid (models, session logs and wheels all live under it)."""
     base = os.environ.get("SUPERFLUID_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
                                                              os.path.expanduser("~/.cache"), "superfluid")
-    return Path(base) / "models"
+    return Path(base)
+
+
+def cache_dir() -> Path:
+    """Where models are kept: cache_root()/models."""
+    return cache_root() / "models"
 
 
 def cached(model: KnownModel) -> Path | None:

@@ -1,8 +1,14 @@
 """The OpenAI-compatible request bodies the server accepts, decoded into msgspec Structs.
 
-Fields clients commonly send that change nothing here (user, metadata, store, ...) are accepted
-and ignored. Fields whose meaning the server cannot honour (tools, response_format, logprobs,
-n > 1, ...) are refused with a 400 that names them, never answered differently in silence.
+Every field a request may carry is accounted for:
+
+- fields the engine honours: OpenAI's, llama.cpp's and vLLM's sampling names (`top_k`, `min_p`,
+  `repeat_penalty` / `repetition_penalty`, `repeat_last_n`), `seed`, `logprobs`/`top_logprobs`;
+- fields that change nothing here (`user`, `metadata`, `store`, ...: IGNORED), dropped on purpose;
+- fields that would change the answer in a way this server cannot honour (`grammar`, `tools`,
+  `response_format` other than text, `n` > 1, ...: REFUSED and `refuse_unsupported`), a 400
+  naming the field and why;
+- anything else, a 400 naming the unknown field: never an answer that silently ignored it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,27 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from superfluid.sampling import Sampling, SamplingError
+from superfluid.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
+
+# Sent by common clients, and changing nothing in the answer: accepted and dropped.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
+                     "prompt_cache_key", "safety_identifier"})
+
+# Would change the answer, and the engine cannot honour them: a 400 saying what they ask for.
+REFUSED = {
+    "grammar": "grammar-constrained decoding", "json_schema": "schema-constrained decoding",
+    "guided_json": "schema-constrained decoding", "guided_regex": "regex-constrained decoding",
+    "guided_choice": "choice-constrained decoding", "guided_grammar": "grammar-constrained decoding",
+    "guided_decoding_backend": "constrained decoding", "structured_outputs": "constrained decoding",
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "function_call": "function calling", "logit_bias": "logit biases", "suffix": "fill-in-the-middle",
+    "mirostat": "mirostat sampling", "mirostat_tau": "mirostat sampling", "mirostat_eta": "mirostat sampling",
+    "typical_p": "locally typical sampling", "tfs_z": "tail-free sampling", "dry_multiplier": "DRY sampling",
+    "xtc_probability": "XTC sampling", "dynatemp_range": "dynamic temperature",
+    "n_probs": "llama-server's logprobs (use `logprobs` and `top_logprobs`)",
+    "reasoning_effort": "a reasoning budget", "modalities": "other output modalities", "audio": "audio output",
+    "web_search_options": "web search", "prediction": "predicted outputs",
+}
 
 
 class ApiError(Exception):
@@ -31,19 +57,26 @@ class Message(msgspec.Struct):
     """One chat message (text content only)."""
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[dict[str, Any]]]
+    content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused when given: tool calling is not supported
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampled(msgspec.Struct, kw_only=True):
-    """Sampling settings a request may give."""
+class _Sampled(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling settings a request may give (OpenAI's names, and llama.cpp's and vLLM's for the
+    filters OpenAI lacks)."""
 
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None  # llama.cpp's name
+    repetition_penalty: float | None = None  # vLLM's and transformers' name for the same
+    repeat_last_n: int | None = None  # llama.cpp's: how many recent tokens the penalty looks at
     seed: int | None = None
 
 
@@ -57,33 +90,21 @@ class _Streamed(_Sampled, kw_only=True):
     ignore_eos: bool = False  # llama.cpp server's extension: go on past end-of-turn tokens
     # vLLM's and llama-server's scheduling classes: interactive preempts the others
     priority: Literal["interactive", "default", "background"] | None = None
+    # chat: a bool, with top_logprobs alternatives; completions: the number of alternatives
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: int | None = None
 
 
 class _Generation(_Streamed, kw_only=True):
     """What both completion endpoints share."""
 
     model: str
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    # accepted and ignored: they change nothing here
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    # refused: their meaning cannot be honoured
-    n: int | None = None
-    logprobs: Union[bool, int, None] = None
-    top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    presence_penalty: float | None = None  # refused unless 0
+    frequency_penalty: float | None = None  # refused unless 0
+    n: int | None = None  # refused unless 1
+    best_of: int | None = None  # refused unless 1
+    echo: bool | None = None  # refused unless false
+    response_format: dict[str, Any] | None = None  # refused unless text
 
 
 class ChatRequest(_Generation, kw_only=True):
@@ -100,27 +121,35 @@ class CompletionRequest(_Generation, kw_only=True):
 
 
 def decode(body: bytes, kind: type) -> Any:
-    """`body` as a `kind`; ApiError 400 naming the field that is wrong."""
+    """`body` as a `kind`; ApiError 400 naming the field that is wrong, refused or unknown."""
     try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
-        raise ApiError(400, f"invalid request: {text}", param=param) from None
+        fields = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, value in fields.items():
+        if name in REFUSED and value is not None:
+            raise ApiError(400, f"`{name}` ({REFUSED[name]}) is not supported by this server; remove it",
+                           param=name, code="unsupported_parameter")
+    kept = {name: value for name, value in fields.items()
+            if not (name in IGNORED and name not in kind.__struct_fields__) and not (name in REFUSED and value is None)}
+    try:
+        return msgspec.convert(kept, kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text.startswith("Object contains unknown field `"):
+            name = text.split("`")[1]
+            raise ApiError(400, f"`{name}` is not a field this server knows; remove it (see docs/server.md for the "
+                           "fields it takes)", param=name, code="unknown_parameter") from None
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise ApiError(400, f"invalid request: {text}", param=param) from None
 
 
 def refuse_unsupported(request: _Generation) -> None:
-    """ApiError 400 for each field whose meaning this server cannot honour."""
-    unsupported = {
-        "tools": request.tools, "tool_choice": request.tool_choice, "functions": request.functions,
-        "function_call": request.function_call, "logit_bias": request.logit_bias, "suffix": request.suffix,
-        "top_logprobs": request.top_logprobs, "logprobs": request.logprobs or None, "echo": request.echo or None,
-    }
-    for name, value in unsupported.items():
-        if value is not None:
-            raise ApiError(400, f"`{name}` is not supported by this server", param=name, code="unsupported_parameter")
+    """ApiError 400 for each field whose value this server cannot honour."""
+    if request.echo:
+        raise ApiError(400, "`echo` is not supported by this server", param="echo", code="unsupported_parameter")
     if request.response_format is not None and request.response_format.get("type", "text") != "text":
         raise ApiError(400, "`response_format` other than text is not supported by this server",
                        param="response_format", code="unsupported_parameter")
@@ -131,24 +160,62 @@ def refuse_unsupported(request: _Generation) -> None:
                            code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"`{name}` is not supported by this server (the sampler has a repetition penalty "
-                           "through the Python API)", param=name, code="unsupported_parameter")
+            raise ApiError(400, f"`{name}` is not supported by this server; use `repeat_penalty` (llama.cpp's "
+                           "multiplicative penalty over the last `repeat_last_n` tokens)", param=name,
+                           code="unsupported_parameter")
+
+
+def logprobs_of(request: _Streamed, *, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (None: no logprobs). Chat takes
+    `logprobs: true` with `top_logprobs` (0 to 20); completions take `logprobs` as the count."""
+    if chat:
+        if request.logprobs is not None and not isinstance(request.logprobs, bool):
+            raise ApiError(400, "`logprobs` is true or false here; the number of alternatives is `top_logprobs`",
+                           param="logprobs")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        count = (request.top_logprobs or 0) if request.logprobs else None
+        name = "top_logprobs"
+    else:
+        if request.top_logprobs is not None:
+            raise ApiError(400, "completions take the number of alternatives as `logprobs`", param="top_logprobs")
+        count = None if request.logprobs is None or request.logprobs is False else int(request.logprobs)
+        name = "logprobs"
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"`{name}` must be in [0, {MAX_TOP_LOGPROBS}]", param=name)
+    return count
+
+
+# Request names of the session's sampling settings, for errors that name what the client sent.
+_SAMPLING_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_window": "repeat_last_n", "seed": "seed"}
 
 
 def sampling_of(request: _Sampled) -> dict:
     """The session sampling settings a request asks for (ApiError 400 naming a bad one)."""
     settings = {}
-    if request.temperature is not None:
-        settings["temperature"] = float(request.temperature)
-    if request.top_p is not None:
-        settings["top_p"] = float(request.top_p)
+    for name in ("temperature", "top_p", "min_p"):
+        if getattr(request, name) is not None:
+            settings[name] = float(getattr(request, name))
+    if request.top_k is not None:
+        settings["top_k"] = int(request.top_k)
+    penalties = {name: getattr(request, name) for name in ("repeat_penalty", "repetition_penalty")
+                 if getattr(request, name) is not None}
+    if len(set(penalties.values())) > 1:
+        raise ApiError(400, "`repeat_penalty` and `repetition_penalty` name one setting; give one of them",
+                       param="repetition_penalty")
+    if penalties:
+        settings["repetition_penalty"] = float(next(iter(penalties.values())))
+    if request.repeat_last_n is not None:
+        settings["repetition_window"] = int(request.repeat_last_n)
     if request.seed is not None:
         settings["seed"] = int(request.seed) % (1 << 64)
     try:
         Sampling(**settings)
     except SamplingError as exc:
-        name = str(exc).split("=", 1)[0].removeprefix("sampling ")
-        raise ApiError(400, str(exc), param=name) from None
+        field = str(exc).split("=", 1)[0].removeprefix("sampling ")
+        name = next(iter(penalties), "repeat_penalty") if field == "repetition_penalty" else _SAMPLING_NAMES[field]
+        raise ApiError(400, f"`{name}`: {exc}", param=name) from None
     return settings
 
 
@@ -162,6 +229,11 @@ def stops_of(request: _Streamed) -> list[str]:
 
 def text_of(message: Message) -> str:
     """A message's text (content parts of type text joined); ApiError for other parts."""
+    if message.tool_calls:
+        raise ApiError(400, "messages with `tool_calls` are not supported (tool calling is not)", param="messages",
+                       code="unsupported_parameter")
+    if message.content is None:
+        raise ApiError(400, f"a {message.role} message needs `content`", param="messages")
     if isinstance(message.content, str):
         return message.content
     texts = []
@@ -181,7 +253,7 @@ class SessionCreate(_Sampled, kw_only=True):
     priority: Literal["interactive", "default", "background"] = "default"
 
 
-class SessionMessages(msgspec.Struct):
+class SessionMessages(msgspec.Struct, forbid_unknown_fields=True):
     """POST /v1/sessions/{id}/messages."""
 
     messages: list[Message]

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _reexec_with_openblas(argv)
     parser = argparse.ArgumentParser(prog="superfluid", description="local LLMs in-process, around a shared KV pool")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="an OpenAI-compatible server on loopback (default model: SmolLM2)")
     serve.add_arguments(serve_parser)
@@ -52,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compat":
         return runtime_commands.compat(args.json)
     return pool_cli.main(["demo"])
+
+
+def _version() -> str:
+    """superfluid's version and the runtime libraries installed beside it."""
+    from superfluid import __version__
+
+    libraries = [f"{registry.get(r).distribution} {registry.status(r).installed_version or 'not installed'}"
+                 for r in registry.RUNTIMES]
+    return f"superfluid {__version__} ({', '.join(libraries)})"
 
 
 def _reexec_with_openblas(argv: list[str]) -> None:

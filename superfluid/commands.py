@@ -36,6 +36,7 @@ class OneShot:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     priority: str | None = None
+    logprobs: int | None = None  # alternatives per token's logprobs (None: none)
 
 
 class Commands:
@@ -146,7 +147,8 @@ class Commands:
     # ----------------------------------------------------------------------------- generating
 
     def generate(self, session_id: str, max_tokens: int, stop, timeout: float | None, overrides: dict,
-                 keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None) -> Generation:
+                 keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
+                 logprobs: int | None = None) -> Generation:
         """Queue a generation for the session (Overloaded when the wait queue is full)."""
         live = self._live(session_id, idle=True)
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -155,6 +157,9 @@ class Commands:
             raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
         if priority is not None and priority not in PRIORITIES:
             raise ValueError(f"priority {priority!r}: use one of {', '.join(PRIORITIES)}")
+        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= sampler.MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs={logprobs!r}: must be a whole number of alternatives in "
+                             f"[0, {sampler.MAX_TOP_LOGPROBS}], or None for no logprobs")
         settings = sampler.Sampling(**{**{f: getattr(live.state.sampling, f) for f in sampler.Sampling.__struct_fields__},
                                        **overrides})
         opening = []
@@ -178,8 +183,7 @@ class Commands:
         job = Job(generation, max_tokens, settings, TextStream(stop), deadline,
                   PRIORITIES.index(priority or live.state.priority), self.scheduler.next_order(),
                   self.scheduler.clock(), self.scheduler.fed, first=len(tokens), opened_at=opened_at,
-                  keep_logits=bool(keep_logits),
-                  ignore_eos=bool(ignore_eos))
+                  keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), logprobs=logprobs)
         self.scheduler.enqueue(live, job)
         return generation
 
@@ -193,7 +197,8 @@ class Commands:
             if request.text is not None:
                 self.append_text(session_id, request.text)
             return session_id, self.generate(session_id, request.max_tokens, list(request.stop), None, {},
-                                             ignore_eos=request.ignore_eos, priority=request.priority)
+                                             ignore_eos=request.ignore_eos, priority=request.priority,
+                                             logprobs=request.logprobs)
         except BaseException:
             self.delete(session_id)
             raise

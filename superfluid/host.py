@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engines import registry
+from engines import models, registry
 from engines.base import Descriptor, Engine
 from engines.errors import ModelLoadError
 from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, segment
@@ -36,9 +36,9 @@ T = TypeVar("T")
 
 
 def default_log_dir(pool_name: str) -> Path:
-    """Where a host keeps its session log unless told: ~/.cache/superfluid/sessions/<pool name>."""
-    base = Path(os.environ.get("SUPERFLUID_CACHE", Path.home() / ".cache" / "superfluid"))
-    return base / "sessions" / pool_name
+    """Where a host keeps its session log unless told: sessions/<pool name> under superfluid's
+    cache ($SUPERFLUID_CACHE, else $XDG_CACHE_HOME/superfluid, else ~/.cache/superfluid)."""
+    return models.cache_root() / "sessions" / pool_name
 
 
 class Host:

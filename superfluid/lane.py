@@ -51,6 +51,7 @@ class Job:
     opened_at: int = 0  # the session's length before the generation committed its assistant opening
     keep_logits: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives each piece's logprobs list (None: no logprobs)
     produced: int = 0
     prefilled: int = 0  # tokens this generation fed before its output
     started: bool = False  # admitted at least once (prompt counters set, the client told)

@@ -1,73 +1,123 @@
-"""The server's /metrics: request counters and first-token times, and the Prometheus text of
-them with the host's statistics."""
+"""The server's /metrics, through prometheus-client: request histograms the server observes, and
+the host's own counters and gauges read at each scrape.
+
+Names follow vLLM's where they mean the same (`time_to_first_token_seconds`,
+`time_per_output_token_seconds`, `e2e_request_latency_seconds`), under the `superfluid_` prefix.
+Every label value comes from a closed set: the route label is a route of the server's table, or
+`other` for any path it does not serve, so a client cannot add series or break the exposition.
+"""
 
 from __future__ import annotations
 
-import threading
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OTHER_ROUTE = "other"
+
+# vLLM's buckets: first tokens from milliseconds (a cached prompt) to minutes (behind a queue);
+# output tokens from a fast decode step to a stalled one; whole requests up to an hour.
+FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                        20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 3840.0)
+
+# The host's statistics: (name, kind, help, HostStats field).
+HOST_SERIES = (
+    ("prefill_tokens", "counter", "Prompt tokens fed through the model.", "prefill_tokens"),
+    ("cached_tokens", "counter", "Prompt tokens taken from cache instead of prefilled.", "cached_tokens"),
+    ("decode_tokens", "counter", "Generated tokens fed back through decode steps (a reply's last is not).",
+     "decode_tokens"),
+    ("evictions", "counter", "Pool entries evicted.", "evictions"),
+    ("preemptions", "counter", "Running generations swapped out to the pool to make room.", "preemptions"),
+    ("kv_bytes_copied", "counter", "KV bytes copied (pool and engine).", "bytes_copied"),
+    ("idle_parks", "counter", "Idle lanes parked into the pool to free engine cells.", "idle_parks"),
+    ("exports", "counter", "KV exports into the pool (parks, swaps out, checkpoints).", "exports"),
+    ("imports", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).", "imports"),
+    ("rejected", "counter", "Generations answered 503: the wait queue was full or waited too long.", "rejected"),
+    ("pool_bytes_used", "gauge", "Bytes the KV pool holds.", "pool_bytes_used"),
+    ("pool_entries", "gauge", "Entries in the KV pool.", "pool_entries"),
+    ("pool_budget_bytes", "gauge", "Bytes of KV the pool may hold (its export budget).", "pool_budget_bytes"),
+    ("generating", "gauge", "Generations running now.", "generating"),
+    ("waiting", "gauge", "Generations waiting for the engine's cells (not started yet).", "waiting"),
+    ("lanes", "gauge", "Sessions whose KV is in the engine.", "lanes"),
+    ("parked_sessions", "gauge", "Sessions whose KV is parked in the pool.", "parked_sessions"),
+    ("sessions", "gauge", "Sessions the host keeps.", "sessions"),
+    ("kv_cells", "gauge", "KV cells the engine holds, all sessions together.", "cells_total"),
+    ("kv_cells_used", "gauge", "KV cells in use in the engine.", "cells_used"),
+    ("kv_cell_bytes", "gauge", "Bytes of KV per cell (the cell price).", "cell_price"),
+)
+
+
+class _HostCollector:
+    """Reads the host's statistics once per scrape."""
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def describe(self):
+        """The host's series without values (the registry asks at registration, before a host
+        may exist: the server binds its port before the model loads)."""
+        for name, kind, help_text, _ in HOST_SERIES:
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
+
+    def collect(self):
+        """The host's series, from one `stats()` call."""
+        stats = self._stats()
+        for name, kind, help_text, field in HOST_SERIES:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"superfluid_{name}", help_text, value=getattr(stats, field))
 
 
 class Metrics:
-    """Request counters and first-token times for /metrics (thread-safe)."""
+    """Request metrics for /metrics (thread-safe: prometheus-client locks its own values)."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.first_token_seconds: list[float] = []
+    def __init__(self, routes: frozenset[str]) -> None:
+        """`routes`: every route label there is; anything else is counted as `other`."""
+        self.routes = routes
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("superfluid_requests", "HTTP requests by route and status.", ("route", "status"),
+                                registry=self.registry)
+        self.first_token_seconds = Histogram("superfluid_time_to_first_token_seconds",
+                                             "Seconds from a request's arrival to its first token.",
+                                             buckets=FIRST_TOKEN_BUCKETS, registry=self.registry)
+        self.output_token_seconds = Histogram("superfluid_time_per_output_token_seconds",
+                                              "Seconds between consecutive output tokens of a request.",
+                                              buckets=OUTPUT_TOKEN_BUCKETS, registry=self.registry)
+        self.latency_seconds = Histogram("superfluid_e2e_request_latency_seconds",
+                                         "Seconds from a generating request's arrival to its last byte.",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._host = None
+
+    def watch(self, stats) -> None:
+        """Report `stats()` (the host's statistics) at every scrape from now on."""
+        if self._host is None:
+            self._host = _HostCollector(stats)
+            self.registry.register(self._host)
+
+    def route_label(self, route: str) -> str:
+        """The route label for a request's route: itself if the server serves it, else `other`."""
+        return route if route in self.routes else OTHER_ROUTE
 
     def count(self, route: str, status: int) -> None:
         """Count one answered request."""
-        with self.lock:
-            self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+        self.requests.labels(self.route_label(route), str(status)).inc()
 
     def first_token(self, seconds: float) -> None:
-        """Record a request's time to first token (the last 1,000 are kept)."""
-        with self.lock:
-            self.first_token_seconds.append(seconds)
-            del self.first_token_seconds[:-1000]
+        """Record a request's time to first token."""
+        self.first_token_seconds.observe(seconds)
 
-    def exposition(self, stats) -> str:
-        """The Prometheus text of the host's statistics `stats` and these request counters."""
-        lines = []
+    def output_token(self, seconds: float) -> None:
+        """Record the time between two output tokens of one request."""
+        self.output_token_seconds.observe(seconds)
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP superfluid_{name} {help_text}", f"# TYPE superfluid_{name} {kind}"])
-            lines.extend(f"superfluid_{name}{labels} {value}" for labels, value in samples)
+    def latency(self, seconds: float) -> None:
+        """Record a generating request's whole time."""
+        self.latency_seconds.observe(seconds)
 
-        metric("prefill_tokens_total", "counter", "Prompt tokens fed through the model.", [("", stats.prefill_tokens)])
-        metric("cached_tokens_total", "counter", "Prompt tokens taken from cache instead of prefilled.",
-               [("", stats.cached_tokens)])
-        metric("decode_tokens_total", "counter", "Generated tokens.", [("", stats.decode_tokens)])
-        metric("pool_bytes_used", "gauge", "Bytes the KV pool holds.", [("", stats.pool_bytes_used)])
-        metric("pool_entries", "gauge", "Entries in the KV pool.", [("", stats.pool_entries)])
-        metric("evictions_total", "counter", "Pool entries evicted.", [("", stats.evictions)])
-        metric("preemptions_total", "counter", "Running generations swapped out to the pool to make room.",
-               [("", stats.preemptions)])
-        metric("kv_bytes_copied_total", "counter", "KV bytes copied (pool and engine).", [("", stats.bytes_copied)])
-        metric("idle_parks_total", "counter", "Idle lanes parked into the pool to free engine cells.",
-               [("", stats.idle_parks)])
-        metric("exports_total", "counter", "KV exports into the pool (parks, swaps out, checkpoints).",
-               [("", stats.exports)])
-        metric("imports_total", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).",
-               [("", stats.imports)])
-        metric("rejected_total", "counter", "Generations answered 503: the wait queue was full or waited too long.",
-               [("", stats.rejected)])
-        metric("generating", "gauge", "Generations running now.", [("", stats.generating)])
-        metric("waiting", "gauge", "Generations waiting for the engine's cells (not started yet).",
-               [("", stats.waiting)])
-        metric("lanes", "gauge", "Sessions whose KV is in the engine.", [("", stats.lanes)])
-        metric("parked_sessions", "gauge", "Sessions whose KV is parked in the pool.", [("", stats.parked_sessions)])
-        metric("kv_cells", "gauge", "KV cells the engine holds, all sessions together.", [("", stats.cells_total)])
-        metric("kv_cells_used", "gauge", "KV cells in use in the engine.", [("", stats.cells_used)])
-        metric("kv_cell_bytes", "gauge", "Bytes of KV per cell (the cell price).", [("", stats.cell_price)])
-        metric("pool_budget_bytes", "gauge", "Bytes of KV the pool may hold (its export budget).",
-               [("", stats.pool_budget_bytes)])
-        metric("sessions", "gauge", "Sessions the host keeps.", [("", stats.sessions)])
-        with self.lock:
-            requests = sorted(self.requests.items())
-            firsts = sorted(self.first_token_seconds)
-        metric("requests_total", "counter", "HTTP requests by route and status.",
-               [(f'{{route="{route}",status="{status}"}}', count) for (route, status), count in requests])
-        quantiles = [(q, firsts[min(len(firsts) - 1, int(q * len(firsts)))]) for q in (0.5, 0.9, 0.99)] if firsts else []
-        metric("time_to_first_token_seconds", "summary", "Seconds from request to first token (last 1,000).",
-               [(f'{{quantile="{q}"}}', round(v, 6)) for q, v in quantiles] + [("_count", len(firsts))])
-        return "\n".join(lines) + "\n"
+    def exposition(self) -> bytes:
+        """The Prometheus text of everything (CONTENT_TYPE says its version)."""
+        return generate_latest(self.registry)

@@ -12,14 +12,37 @@ temperature; temperature 0 is greedy (the first highest logit).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's limit)
+
+
 class SamplingError(ValueError):
     """A sampling parameter out of its range."""
+
+
+class Alternative(NamedTuple):
+    """One candidate token and its log-probability under the model."""
+
+    token: int
+    bytes: bytes
+    logprob: float
+
+
+class TokenLogprobs(NamedTuple):
+    """The log-probability of a sampled token under the model's own distribution (the raw logits'
+    softmax, before any penalty, filter or temperature: what the model thought, as vLLM reports by
+    default) and the `top` most likely tokens at that position, most likely first."""
+
+    token: int
+    bytes: bytes
+    logprob: float
+    top: tuple[Alternative, ...]
 
 
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,3 +110,19 @@ def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequen
     cumulative = np.cumsum(weights)
     draw = uniform(sampling.seed, position) * cumulative[-1]
     return int(order[min(int(np.searchsorted(cumulative, draw, side="right")), len(order) - 1)])
+
+
+def logprobs(logits: np.ndarray, token: int, top: int, spell: Callable[[int], bytes]) -> TokenLogprobs:
+    """`token`'s log-probability under `logits` (1-D) and the `top` most likely tokens (ties: lower
+    id first), each spelled by `spell` (its bytes)."""
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise SamplingError(f"top logprobs={top!r}: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    scores = np.asarray(logits, dtype=np.float64)
+    peak = scores.max()
+    log_total = peak + math.log(np.exp(scores - peak).sum())
+    alternatives = ()
+    if top:
+        best = np.argpartition(-scores, top - 1)[:top] if top < scores.size else np.arange(scores.size)
+        best = sorted(best.tolist(), key=lambda t: (-scores[t], t))
+        alternatives = tuple(Alternative(t, spell(t), float(scores[t] - log_total)) for t in best)
+    return TokenLogprobs(token, spell(token), float(scores[token] - log_total), alternatives)

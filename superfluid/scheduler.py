@@ -444,7 +444,9 @@ class Scheduler:
         job.produced += 1
         end_of_turn = token in self.descriptor.eos_tokens and not job.ignore_eos
         text = "" if end_of_turn else job.stream.feed(self.engine.detokenize([token]))
-        job.generation._put(Piece(text, token))
+        scored = None if job.logprobs is None else sampler.logprobs(logits, token, job.logprobs,
+                                                                     lambda t: self.engine.detokenize([t]))
+        job.generation._put(Piece(text, token, scored))
         if end_of_turn or job.stream.stopped is not None:
             self.finish(live, "stop")
         elif job.produced >= job.max_tokens:

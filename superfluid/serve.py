@@ -8,6 +8,7 @@ the model is not installed or cannot run here.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -17,11 +18,15 @@ from pathlib import Path
 from engines import models, registry
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
-from kvpool import host_memory_available
+from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
+from superfluid.errors import LogBusy
 from superfluid.host import DEFAULT_POOL_BYTES, Host
-from superfluid.server import Server, kv_summary, model_name_of
+from superfluid.responses import kv_summary
+from superfluid.server import Server, model_name_of
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # Ctrl-C before serving began, as shells report SIGINT
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 # What serve changes of the runtimes' own defaults (the library's Host keeps them for exactness):
@@ -36,47 +41,91 @@ class UsageError(Exception):
     """A bad flag or value (exit 2)."""
 
 
+ENVIRONMENT_PREFIX = "SUPERFLUID_"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def size(text: str) -> int:
+    """Bytes from a count or a size with a binary unit: "536870912", "512M", "512MiB", "2G",
+    "1.5GB" (K, M, G and T are powers of 1,024, as memory is sized)."""
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = cleaned[-1:] if cleaned[-1:] in ("K", "M", "G", "T") else ""
+    number = cleaned[:len(cleaned) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes or a number with K, M, G or T "
+                                         "(512M, 2G)") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: it must be a finite number >= 0")
+    return int(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every runtime shares; runtime options come as --<runtime>-<name> VALUE."""
-    parser.add_argument("model", nargs="?", help="a GGUF file or an mlx-lm directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--runtime", choices=sorted(registry.RUNTIMES), help="default: the one the model calls for")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
-    parser.add_argument("--api-key", default=os.environ.get("SUPERFLUID_API_KEY"),
-                        help="require Authorization: Bearer KEY on every route but /health (or $SUPERFLUID_API_KEY)")
-    parser.add_argument("--pool-name", default="superfluid", help="the shared-memory KV pool's name")
-    parser.add_argument("--pool-bytes", type=int, default=DEFAULT_POOL_BYTES, help="its size, taken up front")
-    parser.add_argument("--export-budget", type=int, help="bytes of KV the pool may hold (default: computed from "
-                        "the pool's size and the memory available)")
-    parser.add_argument("--log-dir", type=Path, help="the session log's directory")
-    parser.add_argument("--model-name", help="the id /v1/models shows (default: the file's name)")
-    parser.add_argument("--max-waiting", type=int, default=64, help="generations that may wait for the engine at "
-                        "once; beyond them a request is answered 503 with Retry-After (default: 64)")
-    parser.add_argument("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long "
-                        "without starting is answered 503 (default: 300)")
-    parser.add_argument("--idle-park-seconds", type=float, default=5.0, help="an idle session's KV leaves the "
-                        "engine for the pool after this long (default: 5)")
-    parser.add_argument("--on-context-full", choices=("stop", "error"), default="stop", help="a reply that reaches "
-                        "the context: stop (finish_reason length; the default) or error (a context_length_exceeded "
-                        "error, as an SSE error event in a stream)")
-    parser.add_argument("--decode-reserve", type=int, default=64, help="KV cells a generation must find free "
-                        "beyond its prompt to be admitted (default: 64)")
+    """Every flag, each also read from $SUPERFLUID_<FLAG> (the flag wins); the runtimes' options
+    as --<runtime>-<name> VALUE, listed from their declarations."""
+
+    def flag(*names, **options) -> None:
+        action = parser.add_argument(*names, **options)
+        _from_environment(action)
+
+    flag("model", nargs="?", help="a GGUF file or an mlx-lm directory (default: SmolLM2-135M-Instruct)")
+    flag("--runtime", choices=sorted(registry.RUNTIMES), help="default: the one the model calls for")
+    flag("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    flag("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    flag("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    flag("--pool-name", default="superfluid", help="the shared-memory KV pool's name")
+    flag("--pool-bytes", type=size, default=DEFAULT_POOL_BYTES, help="its size, taken up front, in bytes or with a "
+         f"unit: 512M, 2G (default: {DEFAULT_POOL_BYTES >> 20}M)")
+    flag("--export-budget", type=size, help="bytes of KV the pool may hold (default: computed from the pool's size "
+         "and the memory available)")
+    flag("--log-dir", type=Path, help="the session log's directory (default: sessions/<pool name> under "
+         "$XDG_CACHE_HOME/superfluid)")
+    flag("--log-level", default="info", choices=LOG_LEVELS, help="what goes to stderr: info logs a line per "
+         "request (default: info)")
+    flag("--model-name", help="the id /v1/models shows (default: the file's name)")
+    flag("--max-waiting", type=int, default=64, help="generations that may wait for the engine at once; beyond them "
+         "a request is answered 503 with Retry-After (default: 64)")
+    flag("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long without starting is "
+         "answered 503 (default: 300)")
+    flag("--idle-park-seconds", type=float, default=5.0, help="an idle session's KV leaves the engine for the pool "
+         "after this long (default: 5)")
+    flag("--on-context-full", choices=("stop", "error"), default="stop", help="a reply that reaches the context: stop "
+         "(finish_reason length; the default) or error (a context_length_exceeded error, as an SSE error event in a "
+         "stream)")
+    flag("--decode-reserve", type=int, default=64, help="KV cells a generation must find free beyond its prompt to "
+         "be admitted (default: 64)")
+    for runtime in registry.RUNTIMES:
+        group = parser.add_argument_group(f"{runtime} options", f"for models on the {runtime} runtime")
+        for spec in registry.adapter(runtime).options():
+            default = SERVE_DEFAULTS.get(runtime, {}).get(spec.name, spec.default)
+            shown = f"one of {', '.join(spec.choices)}; " if spec.choices else ""
+            action = group.add_argument(f"--{runtime}-{spec.name.replace('_', '-')}", dest=f"{runtime}__{spec.name}",
+                                        metavar=spec.shape.upper(),
+                                        help=f"{spec.help} ({shown}default: {default})")
+            _from_environment(action)
 
 
-def runtime_options(runtime: str, rest: list[str]) -> dict:
-    """`--<runtime>-<name> VALUE` pairs, checked against the runtime's declared options."""
-    options, prefix = dict(SERVE_DEFAULTS.get(runtime, {})), f"--{runtime}-"
-    items = list(rest)
-    while items:
-        flag = items.pop(0)
-        other = next((r for r in registry.RUNTIMES if flag.startswith(f"--{r}-")), None)
-        if other is None:
-            raise UsageError(f"unrecognized argument {flag}")
-        if other != runtime:
-            raise UsageError(f"{flag} is an option of the {other} runtime; this model runs on {runtime}")
-        if not items:
-            raise UsageError(f"{flag} needs a value")
-        options[flag[len(prefix):].replace("-", "_")] = items.pop(0)
+def _from_environment(action: argparse.Action) -> None:
+    """Take the flag's default from $SUPERFLUID_<NAME> (parsed as the flag would be) and say so."""
+    variable = ENVIRONMENT_PREFIX + action.dest.replace("__", "_").upper()
+    if variable in os.environ:
+        action.default = os.environ[variable]  # argparse converts a string default with the flag's type
+    action.help = f"{action.help} [${variable}]"
+
+
+def runtime_options(runtime: str, args: argparse.Namespace) -> dict:
+    """The --<runtime>-<name> values given (over serve's defaults), checked against the runtime's
+    declared options; a value for another runtime's option is a usage error."""
+    options = dict(SERVE_DEFAULTS.get(runtime, {}))
+    for key, value in vars(args).items():
+        if "__" not in key or value is None:
+            continue
+        owner, name = key.split("__", 1)
+        if owner != runtime:
+            raise UsageError(f"--{owner}-{name.replace('_', '-')} is an option of the {owner} runtime; this model runs "
+                             f"on {runtime}")
+        options[name] = value
     try:
         return validate(runtime, registry.adapter(runtime).options(), options)
     except OptionError as exc:
@@ -94,40 +143,76 @@ def check_memory(model: Path, pool_bytes: int) -> None:
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:
-    """Serve until SIGTERM or SIGINT; the exit code."""
+    """Serve until SIGTERM or SIGINT; the exit code. Every expected failure is one line on stderr
+    with its exit code, never a traceback; the port is taken before the model loads."""
+    logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
+    server = None
     try:
+        if rest:
+            raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
         model = Path(args.model) if args.model else models.default_model(progress=lambda m: print(m, flush=True))
         if not model.exists():
             raise ModelLoadError(f"no model at {model}: give a GGUF file or an mlx-lm directory")
         runtime = args.runtime or registry.runtime_for(model)
-        status = registry.status(runtime)
-        if status.installed_version is None:
+        if registry.status(runtime).installed_version is None:
             raise RuntimeUnavailable(f"the {runtime} runtime is not installed here: `superfluid runtime install "
                                      f"{runtime}`")
-        options = runtime_options(runtime, rest)
+        options = runtime_options(runtime, args)
+        server = _listen(args, model)
         check_memory(model, args.pool_bytes)
-        host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
-                    log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
-                    max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
-                    decode_reserve=args.decode_reserve,
-                    on_context_full=args.on_context_full,
-                    **{f"{runtime}_{k}": v for k, v in options.items()})
-    except (UsageError, ValueError) as exc:  # a flag's value the host refuses (it names the setting)
-        print(f"superfluid serve: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ModelLoadError as exc:
-        print(f"superfluid serve: the model failed to load: {exc}", file=sys.stderr)
-        return EXIT_MODEL
-    except RuntimeUnavailable as exc:
-        print(f"superfluid serve: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        server.host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
+                           log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
+                           max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
+                           decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
+                           **{f"{runtime}_{k}": v for k, v in options.items()})
+    except BaseException as exc:  # noqa: BLE001 - each failure is answered with its line and code
+        if server is not None:
+            server.server_close()
+        return _failed(exc)
+    return _serve(server, runtime)
+
+
+def _listen(args: argparse.Namespace, model: Path) -> Server:
+    """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
     try:
-        server = Server(host, (args.host, args.port), api_key=args.api_key,
-                        model_name=args.model_name or model_name_of(model))
+        return Server(None, (args.host, args.port), api_key=args.api_key,
+                      model_name=args.model_name or model_name_of(model))
     except OSError as exc:
-        host.close()
-        print(f"superfluid serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        raise PortUnavailable(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another "
+                              "--port (0: any free one)") from None
+
+
+class PortUnavailable(Exception):
+    """The address to listen on is taken or not ours (exit 1)."""
+
+
+def _failed(exc: BaseException) -> int:
+    """One line on stderr for a failure before serving began, and its exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, (UsageError, ValueError)):  # a flag's value the host refuses (it names the setting)
+        code, text = EXIT_USAGE, str(exc)
+    elif isinstance(exc, (LogBusy, PoolBusy, PoolExists, ReservationError)):
+        # a log directory or pool another process holds, no room for the pool in /dev/shm: each
+        # is changed by a flag
+        flags = "--pool-bytes" if isinstance(exc, ReservationError) else "--pool-name and --log-dir"
+        code, text = EXIT_USAGE, f"{exc} (serve's flags: {flags})"
+    elif isinstance(exc, ModelLoadError):
+        code, text = EXIT_MODEL, f"the model failed to load: {exc}"
+    elif isinstance(exc, RuntimeUnavailable):
+        code, text = EXIT_UNAVAILABLE, str(exc)
+    elif isinstance(exc, PortUnavailable):
+        code, text = EXIT_RUNTIME, str(exc)
+    else:  # not expected: the traceback is there with --log-level debug
+        code, text = EXIT_RUNTIME, f"{type(exc).__name__}: {exc}"
+        logging.getLogger(__name__).debug("the failure in full", exc_info=exc)
+    print(f"superfluid serve: {text}", file=sys.stderr)
+    return code
+
+
+def _serve(server: Server, runtime: str) -> int:
+    """Answer requests until SIGTERM or SIGINT, then stop gracefully."""
+    host = server.host
     stopping = threading.Event()
 
     def stop(signum, frame) -> None:  # SIGTERM/SIGINT: no new requests, lanes parked, log synced

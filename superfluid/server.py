@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -24,15 +25,26 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from superfluid import api
-from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded, SessionBusy, SessionNotFound
+from superfluid import api, logprobs, responses
+from superfluid.errors import GenerationTimeout, HostClosed, SessionNotFound
 from superfluid.commands import OneShot
 from superfluid.host import Host
-from superfluid.metrics import Metrics
+from superfluid.metrics import CONTENT_TYPE, Metrics
 
 MAX_BODY = 1 << 20  # bytes of request body
 DRAIN_LIMIT = 16 << 20  # an oversized body up to this is read away before the 413; a larger one is cut off
 DEFAULT_MAX_TOKENS = 256
+# Routes by method: path pattern (a session id is *) -> the Handler method that answers it. The
+# metrics' route label is one of these patterns, or "other".
+ROUTES = {
+    "GET": {"/health": "_health", "/metrics": "_metrics", "/v1/models": "_models", "/v1/sessions": "_session_list",
+            "/v1/sessions/*": "_session_info"},
+    "POST": {"/v1/chat/completions": "_chat", "/v1/completions": "_completions", "/v1/sessions": "_session_create",
+             "/v1/sessions/*/messages": "_session_messages", "/v1/sessions/*/generate": "_session_generate",
+             "/v1/sessions/*/fork": "_session_fork"},
+    "DELETE": {"/v1/sessions/*": "_session_delete"},
+}
+REQUESTS = logging.getLogger("superfluid.requests")
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
 
 
@@ -53,7 +65,8 @@ class Server(ThreadingHTTPServer):
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name or "superfluid"
-        self.metrics = Metrics()
+        self.metrics = Metrics(frozenset(route for table in ROUTES.values() for route in table))
+        self.metrics.watch(lambda: self.host.stats())  # read at each scrape (the host may come after the bind)
         self.started = time.time()
         self.stopping = False
         self._connections: dict = {}  # socket -> idle (waiting for a request on a kept-alive connection)
@@ -122,43 +135,44 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the standard library's name
         """GET routes."""
-        self._dispatch({"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models,
-                        "/v1/sessions": self._session_list, "/v1/sessions/*": self._session_info})
+        self._dispatch(ROUTES["GET"])
 
     def do_POST(self) -> None:  # noqa: N802
         """POST routes."""
-        self._dispatch({"/v1/chat/completions": self._chat, "/v1/completions": self._completions,
-                        "/v1/sessions": self._session_create, "/v1/sessions/*/messages": self._session_messages,
-                        "/v1/sessions/*/generate": self._session_generate, "/v1/sessions/*/fork": self._session_fork})
+        self._dispatch(ROUTES["POST"])
 
     def do_DELETE(self) -> None:  # noqa: N802
         """DELETE routes."""
-        self._dispatch({"/v1/sessions/*": self._session_delete})
+        self._dispatch(ROUTES["DELETE"])
 
-    def _dispatch(self, routes: dict) -> None:
+    def _dispatch(self, routes: dict[str, str]) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         parts = path.split("/")
         self.session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
         route = "/".join(parts[:3] + ["*"] + parts[4:]) if self.session_id is not None else path
-        status = 500
+        status, started = 500, time.perf_counter()
         self.responded = False  # once a status line went out, an error may not write another
         try:
             handler = routes.get(route)
             if handler is None:
                 raise api.ApiError(404, f"no route {self.command} {route}", kind="not_found_error")
+            handler = getattr(self, handler)
             if route != "/health":
                 self._authorize()
             status = handler() or 200
         except (BrokenPipeError, ConnectionResetError):
             status = 499  # the client went away
         except Exception as exc:  # noqa: BLE001 - every error is answered, and the server goes on
-            status, body, headers = _error_response(exc)
+            status, body, headers = responses.error_response(exc)
             if self.responded:  # too late for a status: the connection ends instead
                 self.close_connection = True
             else:
                 self._json(status, body, headers)
         finally:
             self.server.metrics.count(route, status)
+            # one line per request (the path as repr: a hostile one cannot forge log lines)
+            REQUESTS.info("%s %s %r %d %.0f ms", self.client_address[0], self.command, self.path[:200], status,
+                          (time.perf_counter() - started) * 1000)
 
     def send_response(self, code: int, message: str | None = None) -> None:
         """The status line (and the note that one went out)."""
@@ -202,14 +216,6 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _text(self, text: str, content_type: str) -> None:
-        data = text.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def _events(self, chunks: Iterator[dict]) -> None:
         """Server-sent events, one JSON chunk each, then [DONE] (chunked transfer). An error after
         the stream began goes out as an error event (OpenAI's clients raise it as an API error),
@@ -225,7 +231,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, the client must hear of it in the stream
-            self._chunk(f"data: {json.dumps(_error_event(exc))}\n\n".encode())
+            self._chunk(f"data: {json.dumps(responses.error_event(exc))}\n\n".encode())
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
 
@@ -238,14 +244,19 @@ class Handler(BaseHTTPRequestHandler):
     def _health(self) -> None:
         stats = self.server.host.stats()
         self._json(200, {"status": "ok", "model": self.server.model_name, "runtime": self.server.host.runtime,
-                         "kv": kv_summary(stats), "generating": stats.generating, "waiting": stats.waiting})
+                         "kv": responses.kv_summary(stats), "generating": stats.generating, "waiting": stats.waiting})
 
     def _models(self) -> None:
         self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
                                                      "created": int(self.server.started), "owned_by": "superfluid"}]})
 
     def _metrics(self) -> None:
-        self._text(self.server.metrics.exposition(self.server.host.stats()), "text/plain; version=0.0.4")
+        data = self.server.metrics.exposition()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _check_model(self, model: str) -> None:
         if model != self.server.model_name:
@@ -280,7 +291,8 @@ class Handler(BaseHTTPRequestHandler):
         then retired into the pool for later requests with the same prefix."""
         host = self.server.host
         one_shot = OneShot(api.sampling_of(request), messages, text, _max_tokens(max_tokens),
-                           tuple(api.stops_of(request)), request.ignore_eos, request.priority)
+                           tuple(api.stops_of(request)), request.ignore_eos, request.priority,
+                           api.logprobs_of(request, chat=chat))
         session_id, generation = host.call(host.commands.start_one_shot, one_shot)
         try:
             self._answer(generation, request, chat)
@@ -329,7 +341,7 @@ class Handler(BaseHTTPRequestHandler):
         session = self.server.host.session(id=self.session_id)
         generation = session.generate(max_tokens=_max_tokens(request.max_tokens), stop=api.stops_of(request),
                                       ignore_eos=request.ignore_eos, priority=request.priority,
-                                      **api.sampling_of(request))
+                                      logprobs=api.logprobs_of(request, chat=True), **api.sampling_of(request))
         self._answer(generation, request, chat=True)
 
     def _session_fork(self) -> int:
@@ -346,7 +358,7 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, generation, request, chat: bool) -> None:
         """Answer with `generation`: one JSON body, or server-sent events."""
         started = time.perf_counter()
-        pieces = iter(generation)
+        pieces = self._timed(iter(generation), started)
         try:
             # The status goes out with the first piece: a generation refused while it waited
             # (Overloaded, ContextFull) is answered with its own status, not inside a 200.
@@ -356,52 +368,88 @@ class Handler(BaseHTTPRequestHandler):
         except BaseException:
             generation.cancel()
             raise
-        if first is not None:
-            self.server.metrics.first_token(time.perf_counter() - started)
+        try:
+            self._respond(generation, first, pieces, request, chat)
+        finally:
+            if first is not None:
+                self.server.metrics.latency(time.perf_counter() - started)
+
+    def _timed(self, pieces: Iterator, started: float) -> Iterator:
+        """`pieces`, observing the time to the first token and between output tokens."""
+        last = None
+        for piece in pieces:
+            if piece.token >= 0:  # a new token (-1: held-back text at the end)
+                now = time.perf_counter()
+                if last is None:
+                    self.server.metrics.first_token(now - started)
+                else:
+                    self.server.metrics.output_token(now - last)
+                last = now
+            yield piece
+
+    def _respond(self, generation, first, pieces: Iterator, request, chat: bool) -> None:
+        """The answer after its first piece: one JSON body, or server-sent events."""
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         base = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.server.model_name}
         if request.stream:
             self._stream(generation, first, pieces, base, chat, request)
             return
+        scored = [first.logprobs] if first is not None and first.logprobs is not None else []
         try:
-            for _ in pieces:
-                pass
+            scored += [piece.logprobs for piece in pieces if piece.logprobs is not None]
         except GenerationTimeout:
             pass  # what it produced is answered, with finish_reason "length"
         text = generation.text
         reason = FINISH.get(generation.finish_reason or "stop", "stop")
+        wanted = api.logprobs_of(request, chat=chat) is not None
+        shown = (logprobs.chat(scored) if chat else logprobs.completion(scored)) if wanted else None
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                   "logprobs": None} if chat else
-                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
-        self._json(200, {**base, "choices": [choice], "usage": _usage(generation)})
+                   "logprobs": shown} if chat else
+                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": shown})
+        self._json(200, {**base, "choices": [choice], "usage": responses.usage(generation)})
 
     def _stream(self, generation, first, pieces: Iterator, base: dict, chat: bool, request) -> None:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def texts() -> Iterator[str]:
+        wanted = api.logprobs_of(request, chat=chat) is not None
+        sent = 0  # characters streamed so far (completions' text offsets)
+
+        def every_piece() -> Iterator:
             if first is not None:
-                yield first.text
+                yield first
             try:
-                for piece in pieces:
-                    yield piece.text
+                yield from pieces
             except GenerationTimeout:
                 pass  # what it produced was streamed; it ends with finish_reason "length"
 
+        def shown(scored: list) -> dict:
+            # a token's logprobs go out with the first chunk that carries its text (or the last)
+            if not wanted:
+                return {}
+            return {"logprobs": logprobs.chat(scored) if chat else logprobs.completion(scored, sent)}
+
         def chunks() -> Iterator[dict]:
+            nonlocal sent
             if chat:
                 yield {**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                              "finish_reason": None}]}
-            for text in texts():
-                if text:
-                    delta = {"delta": {"content": text}} if chat else {"text": text}
-                    yield {**base, "object": kind, "choices": [{"index": 0, **delta, "finish_reason": None}]}
+            pending = []
+            for piece in every_piece():
+                if piece.logprobs is not None:
+                    pending.append(piece.logprobs)
+                if piece.text:
+                    delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+                    yield {**base, "object": kind, "choices": [{"index": 0, **delta, **shown(pending),
+                                                                 "finish_reason": None}]}
+                    sent, pending = sent + len(piece.text), []
             reason = FINISH.get(generation.finish_reason or "stop", "stop")
             last = {"delta": {}} if chat else {"text": ""}
-            yield {**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]}
+            yield {**base, "object": kind, "choices": [{"index": 0, **last, **(shown(pending) if pending else {}),
+                                                         "finish_reason": reason}]}
             if include_usage:
-                yield {**base, "object": kind, "choices": [], "usage": _usage(generation)}
+                yield {**base, "object": kind, "choices": [], "usage": responses.usage(generation)}
 
         try:
             self._events(chunks())
@@ -416,45 +464,6 @@ def _max_tokens(value: int | None) -> int:
     if value < 1:
         raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
     return value
-
-
-def _error_response(exc: BaseException) -> tuple[int, dict, dict | None]:
-    """(status, OpenAI-style body, extra headers) for an error before the response began."""
-    if isinstance(exc, api.ApiError):
-        return exc.status, exc.body(), None
-    if isinstance(exc, (SessionBusy, SessionNotFound, ContextFull)):
-        status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
-        return status, api.ApiError(status, str(exc)).body(), None
-    if isinstance(exc, Overloaded):  # before any byte of a response: the client may retry
-        return 503, api.ApiError(503, str(exc), kind="server_error", code="overloaded").body(), \
-            {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, HostClosed):
-        return 503, api.ApiError(503, str(exc), kind="server_error").body(), None
-    # a defect: the client hears of it, the server goes on
-    return 500, api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(), None
-
-
-def _error_event(exc: BaseException) -> dict:
-    """The body of an SSE error event for an error after a stream began."""
-    if isinstance(exc, api.ApiError):
-        return exc.body()
-    if isinstance(exc, ContextFull):
-        return api.ApiError(400, str(exc), code="context_length_exceeded").body()
-    return api.ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body()
-
-
-def kv_summary(stats) -> dict:
-    """The engine's cells and the pool's budget, as /health and the start-up line report them."""
-    price = max(stats.cell_price, 1)
-    return {"cells": stats.cells_total, "cells_used": stats.cells_used, "cell_bytes": stats.cell_price,
-            "pool_budget_bytes": stats.pool_budget_bytes, "pool_tokens": stats.pool_budget_bytes // price}
-
-
-def _usage(generation) -> dict:
-    completion = len(generation.tokens)
-    return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": generation.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}
 
 
 def model_name_of(path: str | Path) -> str:

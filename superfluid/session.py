@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from superfluid.errors import HostClosed
+from superfluid.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from superfluid.host import Host
@@ -24,10 +25,12 @@ PRIORITIES = ("interactive", "default", "background")  # most urgent first
 class Piece(NamedTuple):
     """One step of a generation: the text it makes showable (may be empty: a character or a
     possible stop string still incomplete) and the token sampled (-1 for the last piece of a
-    generation that ended while text was held back: that text, with no new token)."""
+    generation that ended while text was held back: that text, with no new token); with the
+    token's log-probabilities when the generation asked for them."""
 
     text: str
     token: int
+    logprobs: TokenLogprobs | None = None
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -143,15 +146,17 @@ class Session:
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
-                 **sampling) -> Generation:
+                 logprobs: int | None = None, **sampling) -> Generation:
         """Start generating (SessionBusy if this session already is; Overloaded if the host's wait
         queue is full); iterate the result for pieces. It starts when the engine has the cells
         for it. `sampling` overrides the session's defaults for this generation only;
         `keep_logits` keeps each step's logits (float32, one row per token) in
         `Generation.logits`; `ignore_eos` goes on past end-of-turn tokens (for fixed-length
-        runs); `priority` ("interactive", "default", "background") overrides the session's."""
+        runs); `priority` ("interactive", "default", "background") overrides the session's;
+        `logprobs` (0 to 20) gives each piece its token's log-probability and that many of the
+        most likely alternatives (`Piece.logprobs`)."""
         return self._host.call(self._host.commands.generate, self.id, max_tokens, stop, timeout, sampling, keep_logits,
-                               ignore_eos, priority)
+                               ignore_eos, priority, logprobs)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  **sampling) -> str:

@@ -22,19 +22,27 @@ class Served:
         """`exact` pins llama.cpp's flash attention off (serve's default is on), so that replies
         can be compared token for token across batch shapes and restarts."""
         self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
-             "--pool-bytes", str(64 << 20), "--log-dir", str(tmp_path / f"log-{self.pool}"),
-             *([] if Path(model).is_dir() else ["--llamacpp-threads", "2"]),
-             *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
-             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={k: v for k, v in os.environ.items() if k != "SUPERFLUID_API_KEY"})
+        self.log_dir = tmp_path / f"log-{self.pool}"
+        # stderr (a line per request) goes to a file: a pipe nobody reads would fill and stall the server
+        self.stderr_path = tmp_path / f"serve-{self.pool}-{os.getpid()}-{id(self)}.err"
+        with open(self.stderr_path, "w") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "superfluid", "serve", str(model), "--port", "0", "--pool-name", self.pool,
+                 "--pool-bytes", "64M", "--log-dir", str(self.log_dir),
+                 *([] if Path(model).is_dir() else ["--llamacpp-threads=2"]),
+                 *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
+                 *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                env={k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"})
         line = self.process.stdout.readline()
-        assert " on http://" in line, f"the server did not start: {line!r} {self.process.stderr.read()[-2000:]}"
+        assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
         self.url = line.split(" on ")[1].strip()
         self.model = line.split("serving ")[1].split(" ")[0]
         address = urlparse(self.url)
         self.address = (address.hostname, address.port)
+
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far."""
+        return self.stderr_path.read_text()
 
     def client(self, key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0)

@@ -113,16 +113,31 @@ def test_bad_requests_get_an_openai_style_error_naming_the_problem(served, body,
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("response_format", {"type": "json_object"}), ("logprobs", True),
-                                          ("n", 2)])
+                                          ("response_format", {"type": "json_object"}), ("n", 2),
+                                          ("grammar", 'root ::= "yes"'), ("json_schema", {"type": "object"}),
+                                          ("guided_regex", "[0-9]+"), ("invented_field", 1)])
 def test_fields_that_cannot_be_honoured_are_refused(served, field, value):
     with pytest.raises(openai.BadRequestError, match=f"`{field}`"):
-        chat(served.client(), served.model, **{field: value})
+        chat(served.client(), served.model, extra_body={field: value})
+    assert served.raw("GET", "/health")[0] == 200
 
 
 def test_fields_that_change_nothing_are_accepted(served):
     reply = chat(served.client(), served.model, user="me", metadata={"a": "b"}, store=False, max_tokens=2)
     assert reply.usage.completion_tokens >= 1
+
+
+def test_llama_cpp_sampling_fields_change_the_answer(served):
+    """top_k 1 is greedy whatever the temperature: the same reply as temperature 0."""
+    client = served.client()
+    greedy = chat(client, served.model, temperature=0, max_tokens=8)
+    top_one = chat(client, served.model, temperature=1.5, seed=11, max_tokens=8, extra_body={"top_k": 1})
+    assert top_one.choices[0].message.content == greedy.choices[0].message.content
+    loose = [chat(client, served.model, temperature=1.5, seed=s, max_tokens=8).choices[0].message.content
+             for s in range(4)]
+    assert any(text != greedy.choices[0].message.content for text in loose)  # without top_k it wanders
+    with pytest.raises(openai.BadRequestError, match="repeat_penalty"):
+        chat(client, served.model, extra_body={"repeat_penalty": 0})
 
 
 def test_a_body_over_the_limit_is_refused(served):
@@ -172,7 +187,7 @@ def test_exit_codes(tiny_models, tmp_path):
             done = serve_exit(model, "--port", str(taken.getsockname()[1]), "--pool-name", busy_pool,
                               "--log-dir", str(tmp_path / "log-busy"))
         finally:
-            remove_segment(busy_pool)  # it created its pool before it found the port taken, and kept it
+            remove_segment(busy_pool)  # in case it created one: the port is checked first, so it should not
         assert done.returncode == 1 and "cannot listen" in done.stderr
     (tmp_path / "not-a-model").mkdir()
     done = serve_exit(str(tmp_path / "not-a-model"))

@@ -1,0 +1,116 @@
+"""Every field of an OpenAI-style request is honoured, ignored on purpose, or refused by name:
+none is dropped in silence."""
+
+import json
+
+import pytest
+
+from superfluid import api
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def decode(kind=api.ChatRequest, **fields):
+    return api.decode(json.dumps({**BASE, **fields}).encode(), kind)
+
+
+def refused(kind=api.ChatRequest, **fields) -> api.ApiError:
+    with pytest.raises(api.ApiError) as caught:
+        request = decode(kind, **fields)
+        api.refuse_unsupported(request)
+        api.sampling_of(request)
+        api.logprobs_of(request, chat=kind is api.ChatRequest)
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("field, value", [
+    ("grammar", "root ::= \"yes\""), ("json_schema", {"type": "object"}), ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a", "b"]), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("logit_bias", {"1": 5}), ("mirostat", 2), ("typical_p", 0.9), ("n_probs", 3),
+    ("suffix", "x"), ("reasoning_effort", "high"),
+])
+def test_a_field_that_would_change_the_answer_is_refused_by_name(field, value):
+    error = refused(**{field: value})
+    assert error.param == field and f"`{field}`" in error.message and "not supported" in error.message
+    assert error.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"echo": True}, "echo"),
+])
+def test_a_value_that_cannot_be_honoured_is_refused(fields, param):
+    assert refused(**fields).param == param
+
+
+@pytest.mark.parametrize("fields", [{"n": 1}, {"response_format": {"type": "text"}}, {"presence_penalty": 0},
+                                    {"echo": False}, {"tools": None}, {"grammar": None}])
+def test_values_that_change_nothing_pass(fields):
+    request = decode(**fields)
+    api.refuse_unsupported(request)
+    assert api.sampling_of(request) == {}
+
+
+def test_an_unknown_field_is_a_400_naming_it_in_every_body():
+    assert refused(temprature=0.5).param == "temprature"
+    assert "not a field this server knows" in refused(temprature=0.5).message
+    for kind in (api.CompletionRequest, api.SessionGenerate, api.SessionCreate):
+        with pytest.raises(api.ApiError, match="`wibble`"):
+            api.decode(json.dumps({"model": "m", "prompt": "p", "wibble": 1}
+                                  if kind is api.CompletionRequest else {"wibble": 1}).encode(), kind)
+    with pytest.raises(api.ApiError, match="`wibble`"):
+        api.decode(b'{"messages": [], "wibble": 1}', api.SessionMessages)
+
+
+def test_fields_that_change_nothing_are_dropped_on_purpose():
+    request = decode(user="me", metadata={"a": "b"}, store=False, service_tier="auto", cache_prompt=True,
+                     prompt_cache_key="k", safety_identifier="s", parallel_tool_calls=False)
+    assert api.sampling_of(request) == {}
+
+
+def test_llama_cpp_and_vllm_sampling_names_reach_the_sampler():
+    request = decode(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repeat_penalty=1.1, repeat_last_n=32, seed=7)
+    assert api.sampling_of(request) == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+                                        "repetition_penalty": 1.1, "repetition_window": 32, "seed": 7}
+    assert api.sampling_of(decode(repetition_penalty=1.2)) == {"repetition_penalty": 1.2}
+    assert api.sampling_of(decode(repeat_penalty=1.2, repetition_penalty=1.2)) == {"repetition_penalty": 1.2}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"repetition_penalty": -2}, "repetition_penalty"), ({"repeat_last_n": -1}, "repeat_last_n"),
+    ({"temperature": -1}, "temperature"), ({"repeat_penalty": 1.1, "repetition_penalty": 1.3}, "repetition_penalty"),
+])
+def test_a_bad_sampling_value_names_the_field_the_client_sent(fields, param):
+    error = refused(**fields)
+    assert error.param == param and param in error.message
+
+
+def test_logprobs_take_openais_shapes():
+    assert api.logprobs_of(decode(), chat=True) is None
+    assert api.logprobs_of(decode(logprobs=False), chat=True) is None
+    assert api.logprobs_of(decode(logprobs=True), chat=True) == 0
+    assert api.logprobs_of(decode(logprobs=True, top_logprobs=5), chat=True) == 5
+    completion = api.decode(b'{"model": "m", "prompt": "p", "logprobs": 3}', api.CompletionRequest)
+    assert api.logprobs_of(completion, chat=False) == 3
+    assert refused(logprobs=True, top_logprobs=21).param == "top_logprobs"
+    assert refused(top_logprobs=2).param == "top_logprobs"  # without logprobs: true
+    assert refused(logprobs=3).param == "logprobs"  # chat counts alternatives in top_logprobs
+
+
+def test_a_message_with_tool_calls_is_refused_and_a_plain_echo_of_a_reply_is_not():
+    echoed = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None}
+    request = decode(messages=[{"role": "user", "content": "hi"}, echoed])
+    assert [api.text_of(m) for m in request.messages] == ["hi", "Paris."]
+    calls = decode(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    with pytest.raises(api.ApiError, match="tool_calls"):
+        api.text_of(calls.messages[0])
+
+
+def test_a_body_that_is_not_an_object_is_a_400():
+    for body in (b"[1, 2]", b'"text"', b"{not json"):
+        with pytest.raises(api.ApiError) as caught:
+            api.decode(body, api.ChatRequest)
+        assert caught.value.status == 400

@@ -1,0 +1,98 @@
+"""`superfluid serve` as people drive it: --version, --flag=value, sizes with units, flags from the
+environment, runtime options in --help, one-line failures with their exit codes (checked before
+the model loads where they can be), and a log line per request."""
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvpool import segment
+from superfluid.serve import size
+from tests.conftest import remove_segment, unique_pool_name
+from tests.superfluid.served import ROOT, Served
+
+
+def serve(*args: str, env: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"}
+    return subprocess.run([sys.executable, "-m", "superfluid", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**environment, **(env or {})})
+
+
+def one_line(done: subprocess.CompletedProcess) -> str:
+    """The failure's message: one line of ours on stderr (llama.cpp may log its own), no traceback."""
+    lines = [line for line in done.stderr.splitlines() if line.startswith("superfluid")]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    server = Served(tiny_models["f32"].gguf, tmp_path_factory.mktemp("served-cli"))
+    yield server
+    assert server.stop() == 0
+
+
+def test_sizes_take_binary_units():
+    assert size("536870912") == 512 << 20
+    assert size("512M") == size("512MiB") == size("512mb") == 512 << 20
+    assert size("2G") == 2 << 30 and size("1.5GiB") == 3 << 29 and size("64K") == 64 << 10 and size("10B") == 10
+    for bad in ("12Q", "", "M", "-1G", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            size(bad)
+
+
+def test_version_and_help_list_every_runtime_option():
+    version = serve("--version")
+    assert version.returncode == 0 and re.match(r"superfluid \d+\.\d+\.\d+ \(llama-cpp-python ", version.stdout)
+    helped = serve("serve", "--help")
+    assert helped.returncode == 0
+    for flag in ("--llamacpp-n-ctx", "--llamacpp-cache-type-k", "--mlx-kv-bits", "--mlx-dequantize", "--log-level"):
+        assert flag in helped.stdout
+    assert "KV cells shared by all sequences" in helped.stdout  # the declaration's own help
+    assert "$SUPERFLUID_POOL_BYTES" in helped.stdout and "$SUPERFLUID_LLAMACPP_THREADS" in helped.stdout
+
+
+def test_flag_values_from_the_environment_are_parsed_as_flags_are(tiny_models):
+    model = str(tiny_models["f32"].gguf)
+    done = serve("serve", model, env={"SUPERFLUID_PORT": "nope"})
+    assert done.returncode == 2 and "--port" in done.stderr and "'nope'" in done.stderr
+    done = serve("serve", model, env={"SUPERFLUID_LLAMACPP_N_CTX": "many"})
+    assert done.returncode == 2 and "n_ctx" in one_line(done)
+    done = serve("serve", model, "--pool-bytes", "lots")
+    assert done.returncode == 2 and "'lots' is not a size" in done.stderr
+
+
+def test_a_taken_port_is_found_before_the_model_loads(tiny_models, tmp_path):
+    pool = unique_pool_name()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        try:
+            done = serve("serve", str(tiny_models["f32"].gguf), "--port", str(taken.getsockname()[1]),
+                         "--pool-name", pool, "--log-dir", str(tmp_path / "log"))
+            assert pool not in segment.list_pool_names()  # nothing was loaded or created: the port came first
+        finally:
+            remove_segment(pool)
+    assert done.returncode == 1 and "cannot listen" in one_line(done) and "--port" in one_line(done)
+
+
+def test_a_second_server_on_a_busy_log_or_pool_says_so_in_one_line(served, tiny_models, tmp_path):
+    model = str(tiny_models["f32"].gguf)
+    same_log = serve("serve", model, "--port", "0", "--pool-name", unique_pool_name(), "--log-dir", str(served.log_dir))
+    assert same_log.returncode == 2 and "log" in one_line(same_log).lower()
+    same_pool = serve("serve", model, "--port", "0", "--pool-name", served.pool, "--log-dir", str(tmp_path / "other"))
+    assert same_pool.returncode == 2 and served.pool in one_line(same_pool)
+    assert served.raw("GET", "/health")[0] == 200  # the running server is untouched
+
+
+def test_each_request_is_logged_in_one_line(served):
+    served.raw("GET", "/health")
+    served.raw("GET", '/x"y{z}')
+    lines = served.stderr().splitlines()
+    assert any(re.search(r"GET '/health' 200 \d+ ms$", line) for line in lines)
+    assert any("GET '/x\"y{z}' 404 " in line for line in lines)
