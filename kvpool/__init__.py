@@ -12,6 +12,9 @@ from kvpool.pool import Pool
 from kvpool.prefix import PrefixMatch
 from kvpool.stats import PoolStats
 
+# superfluid checks this before it uses the package (see engines/__init__.py).
+PART_OF = "superfluid"
+
 __all__ = [
     "ArrayTemplate", "Budget", "DataCorrupt", "Device", "EntryBusy", "EntryInfo", "EntryNotFound",
     "EntryTooLarge", "EntryView", "KVArray", "LayoutError", "Pool", "PoolBusy", "PoolCorrupt", "PoolError",

@@ -1,4 +1,13 @@
-"""superfluid: local LLM engines hosted in the application's process, around a shared-memory KV pool."""
+"""superfluid: local LLM engines hosted in the application's process, around a shared-memory KV pool.
+
+`superfluid` is the one import an application needs: the Host and sessions, and, for driving an
+engine and the pool directly, `Pool`, `Budget`, `StepRequest`, `LlamaCppEngine`, `MlxEngine`,
+`models` and `transfer` (imported when first used).
+"""
+
+from superfluid import parts
+
+parts.check()  # before anything imports `engines` or `kvpool` for real use
 
 from superfluid.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded, PinLimit,
                                SessionBusy, SessionNotFound, SuperfluidError)
@@ -7,6 +16,26 @@ from superfluid.sampling import Sampling
 from superfluid.session import Generation, Piece, Session, SessionInfo
 
 __version__ = "0.1.0"
+DISTRIBUTION = "superfluid-llm"  # PyPI's "superfluid" is another project
+
+# name -> (module, attribute or None for the module itself), imported on first use: the engines
+# import their runtimes' bindings only when they are wanted
+_LAZY = {"Pool": ("kvpool", "Pool"), "Budget": ("kvpool", "Budget"), "StepRequest": ("engines.base", "StepRequest"),
+         "LlamaCppEngine": ("engines.llamacpp.engine", "LlamaCppEngine"),
+         "MlxEngine": ("engines.mlx.engine", "MlxEngine"), "models": ("engines.models", None),
+         "transfer": ("superfluid.transfer", None)}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'superfluid' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
+
+
 __all__ = ["ChatError", "ContextFull", "Generation", "GenerationTimeout", "Host", "HostClosed", "LogCorrupt", "Overloaded",
            "Piece", "PinLimit",
-           "Sampling", "Session", "SessionBusy", "SessionInfo", "SessionNotFound", "SuperfluidError"]
+           "Sampling", "Session", "SessionBusy", "SessionInfo", "SessionNotFound", "SuperfluidError", *_LAZY]

@@ -19,6 +19,7 @@ import sys
 from engines import registry
 from engines.errors import RuntimeUnavailable
 from engines.llamacpp import library as llamacpp_library
+from superfluid import DISTRIBUTION
 
 # How each runtime's library is installed: extra packages beside it, and the build environment.
 INSTALL_EXTRAS = {"mlx": ["mlx[cpu]==0.32.4"] if sys.platform.startswith("linux") else ["mlx==0.32.4"]}
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 def compat(as_json: bool) -> int:
     """What this release was built and tested against, per runtime."""
-    report = {"superfluid": importlib.metadata.version("superfluid"), "python": sys.version.split()[0],
+    report = {"superfluid": importlib.metadata.version(DISTRIBUTION), "python": sys.version.split()[0],
               "runtimes": {r.id: {"distribution": r.distribution, "tested": list(r.tested_versions),
                                   "installed": registry.status(r.id).installed_version,
                                   "extras": INSTALL_EXTRAS.get(r.id, []), "build": BUILD_ENV.get(r.id, {})}
