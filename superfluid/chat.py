@@ -16,9 +16,13 @@ refused with a message saying so.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from superfluid.errors import ChatError
@@ -33,13 +37,44 @@ def _raise(message: str):
     raise ChatError(f"the chat template refused the conversation: {message}")
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML and writes non-ASCII as \u escapes; the
+    # templates were written against transformers, whose tojson is plain json.dumps without them.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    return datetime.now().strftime(format)
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with
+    it for training masks; rendering keeps the body as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        """The block's body, rendered unchanged."""
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
 class ChatTemplate:
     """A model's chat template, rendered in a sandbox (templates come with model files)."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
         """`source`: the Jinja template (None: ChatML); the special tokens' text for templates that use them."""
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _raise
+        # The environment transformers' apply_chat_template renders in, which the templates that
+        # ship with models are written against: loop controls, its tojson, strftime_now,
+        # raise_exception and the generation tag.
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
+        environment.filters["tojson"] = _tojson
+        environment.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         try:
             self._template = environment.from_string(source or CHATML)
         except jinja2.TemplateError as exc:

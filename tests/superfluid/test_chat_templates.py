@@ -1,0 +1,74 @@
+"""Chat templates render as transformers' apply_chat_template renders them (the environment model
+templates are written against): the same text for the same conversation, template by template."""
+
+import json
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from superfluid.chat import CHATML, ChatTemplate
+from superfluid.errors import ChatError
+
+CONVERSATION = [{"role": "system", "content": "Answer in one line. Ünïcödé & <tags> 'quoted'."},
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Japan? 日本"}]
+TOKENS = {"bos_token": "<s>", "eos_token": "</s>"}
+
+# Each exercises part of the environment: loop controls, transformers' tojson (no ASCII or HTML
+# escaping, its indent and sort_keys), strftime_now, namespace(), the generation tag, trims.
+FEATURES = {
+    "loop controls": "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                     "[{{ m.role }}]{{ m.content }}{% if loop.index > 3 %}{% break %}{% endif %}{% endfor %}",
+    "tojson": "{{ messages | tojson }}|{{ messages[0] | tojson(indent=2, sort_keys=true) }}",
+    "strftime_now": "{{ strftime_now('%Y-%m') }}:{% for m in messages %}{{ m.content }}{% endfor %}",
+    "namespace": "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+                 "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{{ ns.last_user }}",
+    "generation tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                      "{{ eos_token }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+                      "{% if add_generation_prompt %}>>{% endif %}",
+    "trim and lstrip": "{{ bos_token }}\n{% for m in messages %}\n    {{- m.role | upper }}: {{ m.content | trim }}\n"
+                       "{% endfor %}\n{% if add_generation_prompt %}ASSISTANT:{% endif %}",
+}
+
+
+def llama_cpp_python_templates() -> dict:
+    """The Jinja templates llama-cpp-python ships (read from the installed package at test time)."""
+    from llama_cpp import llama_chat_format
+
+    return {name: getattr(llama_chat_format, name) for name in dir(llama_chat_format) if name.endswith("_TEMPLATE")}
+
+
+def transformers_render(source: str, messages: list, generation_prompt: bool) -> str:
+    rendered, _ = render_jinja_template([messages], chat_template=source, add_generation_prompt=generation_prompt,
+                                        **TOKENS)  # (one text per conversation, assistant masks)
+    return rendered[0]
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_the_environment_matches_transformers(name, generation_prompt):
+    source = FEATURES[name]
+    ours = ChatTemplate(source, **TOKENS).render(CONVERSATION, generation_prompt)
+    assert ours == transformers_render(source, CONVERSATION, generation_prompt)
+    if name == "tojson":
+        assert "Ünïcödé & <tags> 'quoted'" in ours and json.loads(ours.split("|")[0]) == CONVERSATION
+
+
+def test_the_templates_llama_cpp_python_ships_and_chatml_render_alike():
+    templates = {**llama_cpp_python_templates(), "CHATML (ours)": CHATML}
+    assert len(templates) >= 4
+    for name, source in templates.items():
+        for generation_prompt in (False, True):
+            messages = CONVERSATION if "MISTRAL" not in name and "MIXTRAL" not in name else CONVERSATION[1:]
+            ours = ChatTemplate(source, **TOKENS).render(messages, generation_prompt)
+            assert ours == transformers_render(source, messages, generation_prompt), name
+
+
+def test_raise_exception_is_a_chat_error_naming_the_templates_message():
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('users speak first') }}{% endif %}")
+    with pytest.raises(ChatError, match="users speak first"):
+        template.render(CONVERSATION)
+    with pytest.raises(Exception, match="users speak first"):
+        transformers_render(template_source := "{{ raise_exception('users speak first') }}", CONVERSATION, False)
+    assert template_source
