@@ -10,8 +10,9 @@ conversation rendered with it and without it:
     after generating   -> what the template puts after the assistant's words ("<|im_end|>\\n"),
                           less the end-of-turn token the model already wrote
 
-A template that rewrites earlier turns when a later one arrives cannot be used this way, and is
-refused with a message saying so.
+A template that rewrites earlier turns when a later one arrives (Qwen3 drops the reasoning of
+past assistant turns) cannot grow this way: `turn` and `closing` raise TemplateRewrites, and the
+host renders the whole conversation instead and keeps the longest common token prefix.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from superfluid.errors import ChatError
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 ROLES = ("system", "user", "assistant")
+
+
+class TemplateRewrites(ChatError):
+    """The template renders earlier turns differently once a later one is added."""
 
 
 def _raise(message: str):
@@ -108,7 +113,5 @@ class ChatTemplate:
     @staticmethod
     def _difference(before: str, after: str) -> str:
         if not after.startswith(before):
-            raise ChatError("this chat template renders earlier turns differently once a later one is added, so a "
-                            "conversation cannot grow token by token; append the turns as tokens instead "
-                            "(Session.append_tokens)")
+            raise TemplateRewrites("this chat template renders earlier turns differently once a later one is added")
         return after[len(before):]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engines.errors import EngineError
 from kvpool import EntryNotFound
 from superfluid import sampling as sampler
-from superfluid.chat import ChatTemplate
+from superfluid.chat import ChatTemplate, TemplateRewrites
 from superfluid.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
 from superfluid.lane import Job, Live
 from superfluid.log import Deleted, Opened, SessionLog, Tokens, Trimmed, Turn
@@ -122,9 +122,28 @@ class Commands:
         """A chat message, rendered by the model's template."""
         live = self._live(session_id, idle=True)
         message = {"role": role, "content": content}
-        text = self._template().turn(live.state.messages, message)
+        try:
+            text = self._template().turn(live.state.messages, message)
+        except TemplateRewrites:
+            self._rerender(live, message)
+            return
         tokens = self.engine.tokenize(text, special=True)
         self.scheduler.commit(live, tokens, Turn(session_id, role, content, len(live.state.tokens) + len(tokens)))
+
+    def _rerender(self, live: Live, message: dict) -> None:
+        """Add `message` under a template that rewrites earlier turns: the whole conversation is
+        rendered and tokenized, the session keeps its longest common token prefix with that (and
+        the KV of it), and the rest replaces what followed, as llama-server reuses a cached prompt."""
+        state = live.state
+        messages = [*state.messages, message]
+        tokens = self.engine.tokenize(self._template().render(messages), special=True)
+        keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
+                                                                                             len(state.tokens)))
+        if keep < len(state.tokens):
+            self.trim(state.id, keep)  # the messages that end past the cut are logged again below
+        # where a rewritten message ends inside the new text is unknown: each ends with the whole
+        turns = [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[len(state.messages):]]
+        self.scheduler.commit(live, tokens[keep:], *turns)
 
     def append_tokens(self, session_id: str, tokens: list[int]) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""
@@ -211,7 +230,10 @@ class Commands:
         eos = self.descriptor.eos_tokens
         ended = bool(produced) and produced[-1] in eos
         reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
-        closing = self._template().closing(live.state.messages, reply)
+        try:
+            closing = self._template().closing(live.state.messages, reply)
+        except TemplateRewrites:  # nothing to add now: the next message renders the whole conversation
+            closing = ""
         if ended:
             mark = self.engine.detokenize([produced[-1]]).decode(errors="replace")
             closing = closing[len(mark):] if closing.startswith(mark) else closing

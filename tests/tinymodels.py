@@ -95,9 +95,10 @@ def random_weights(config: TinyConfig, vocab: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()) -> TinyModel:
+def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig(),
+          chat_template: str = CHATML) -> TinyModel:
     """Write `directory/tiny-<quant>.gguf` (f32, f16, q8_0, q4_0, or "mixed": q8_0 embeddings and
-    output, q4_0 elsewhere) and return what was built."""
+    output, q4_0 elsewhere) with `chat_template`, and return what was built."""
     import gguf
 
     tokenizer = train_tokenizer()
@@ -129,7 +130,7 @@ def build(directory: Path, quant: str = "f32", config: TinyConfig = TinyConfig()
     writer.add_bos_token_id(vocab_map["<|endoftext|>"])
     writer.add_eos_token_id(vocab_map["<|im_end|>"])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(chat_template)
     for name, array in weights.items():
         _add_tensor(writer, gguf, name, array, quant)
     writer.write_header_to_file()

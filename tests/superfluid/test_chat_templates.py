@@ -72,3 +72,49 @@ def test_raise_exception_is_a_chat_error_naming_the_templates_message():
     with pytest.raises(Exception, match="users speak first"):
         transformers_render(template_source := "{{ raise_exception('users speak first') }}", CONVERSATION, False)
     assert template_source
+
+
+# Like Qwen3's: a past assistant turn loses its reasoning once a user speaks after it.
+DROPS_PAST_REASONING = (
+    "{% for m in messages %}{% set content = m.content %}"
+    "{% if m.role == 'assistant' and not loop.last %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_past_turns_keeps_the_common_prefix(tmp_path):
+    """A rewritten assistant turn: the session keeps the tokens (and KV) up to the rewrite, and
+    then holds exactly what the whole conversation renders to, as a cold session would."""
+    from superfluid import Host
+    from tests import tinymodels
+    from tests.conftest import remove_segment, unique_pool_name
+
+    model = tinymodels.build(tmp_path, "f32", chat_template=DROPS_PAST_REASONING)
+    pool = unique_pool_name()
+    host = Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log", llamacpp_threads=2,
+                llamacpp_n_ctx=2048, idle_park_seconds=None)
+    try:
+        session = host.session()
+        session.append_user("Hello there")
+        session.append_assistant("<think>long reasoning here</think>Hi!")
+        before = session.tokens
+        session.append_user("How are you?")
+        messages = [{"role": "user", "content": "Hello there"},
+                    {"role": "assistant", "content": "<think>long reasoning here</think>Hi!"},
+                    {"role": "user", "content": "How are you?"}]
+        assert session.messages == messages
+        whole = host.call(lambda: host.commands.engine.tokenize(
+            ChatTemplate(DROPS_PAST_REASONING).render(messages), special=True))
+        assert session.tokens == whole  # what the whole conversation renders to
+        common = next(i for i, (a, b) in enumerate(zip(before, whole)) if a != b)
+        assert session.tokens[:common] == before[:common] and len(whole) < len(before) + 8
+        generated = session.generate(max_tokens=4, ignore_eos=True)
+        generated.collect()
+        prompt = session.tokens[:len(whole)] + host.call(lambda: host.commands.engine.tokenize(
+            "<|im_start|>assistant\n", special=True))
+        cold = host.session()
+        cold.append_tokens(prompt)
+        assert cold.complete(max_tokens=4, ignore_eos=True) == generated.text  # as a cold session on those tokens
+    finally:
+        host.close()
+        remove_segment(pool)
