@@ -79,7 +79,7 @@ def test_an_import_of_another_engines_entry_leaves_the_sequence_untouched(engine
     assert engine.length(target) == 3
 
 
-def test_corrupt_bytes_are_refused_and_the_engine_goes_on(engine, make_pool):
+def test_corrupt_bytes_are_caught_by_the_checksum_and_the_engine_goes_on(engine, make_pool):
     pool = make_pool(16 << 20)
     info = transfer.export(engine, pool, prefilled(engine), TOKENS)
     offset = next(o for o, n, owner in pool.arena_map() if owner == f"{info.id}.data")
