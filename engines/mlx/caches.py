@@ -110,12 +110,7 @@ class KV(Codec):
         cache, offset = module.KVCache(), _field(plain, prefix, "offset", int)
         if _field(plain, prefix, "empty", int):
             return cache
-        keys, vals = _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v")
-        if speaks_meta_state(cache):
-            cache.state = (keys, vals)
-            cache.offset = offset  # 0.31's KVCache takes its offset from the buffer's length
-        else:
-            cache.state = (keys, vals, offset)
+        _load(cache, _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v"), offset)
         return cache
 
     def regrow(self, cache, rebuffer):
@@ -151,12 +146,8 @@ class Quantized(Codec):
             return cache
         keys = tuple(_array(arrays, f"{prefix}k{j}") for j in range(3))
         vals = tuple(_array(arrays, f"{prefix}v{j}") for j in range(3))
-        if speaks_meta_state(cache):
-            cache.state = (keys, vals)
-            cache.meta_state = (str(offset), str(cache.group_size), str(cache.bits))
-            cache.offset = offset
-        else:
-            cache.state = (keys, vals, offset, cache.group_size, cache.bits)
+        _load(cache, keys, vals, offset, meta=(offset, cache.group_size, cache.bits),
+              settings=(cache.group_size, cache.bits))
         return cache
 
     def regrow(self, cache, rebuffer):
@@ -193,13 +184,9 @@ class Rotating(Codec):
         offset = _field(plain, prefix, "offset", int)
         if _field(plain, prefix, "empty", int):
             return cache
-        keys, vals, idx = _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v"), _field(plain, prefix, "idx", int)
-        if speaks_meta_state(cache):
-            cache.state = (keys, vals)
-            cache.meta_state = tuple(str(v) for v in (cache.keep, cache.max_size, offset, idx))
-            cache.offset = offset
-        else:
-            cache.state = (keys, vals, offset, cache.keep, cache.max_size, idx)
+        idx = _field(plain, prefix, "idx", int)
+        _load(cache, _array(arrays, f"{prefix}k"), _array(arrays, f"{prefix}v"), offset,
+              meta=(cache.keep, cache.max_size, offset, idx), settings=(cache.keep, cache.max_size, idx))
         return cache
 
 
@@ -370,6 +357,19 @@ def _codec_named(name: str) -> Codec:
         return CODECS[name]
     except KeyError:
         raise StateError(f"pool entry names cache kind {name!r}; this adapter builds {', '.join(KINDS)}") from None
+
+
+def _load(cache, keys, values, offset: int, *, meta: tuple | None = None, settings: tuple = ()) -> None:
+    """Give an attention cache its arrays, offset and `settings` through the running mlx-lm's
+    `state`: 0.32 takes them all in `state`; 0.31 takes the arrays there and the settings as
+    strings in `meta_state` (`meta`, in its order), and a KVCache there has no meta_state."""
+    if speaks_meta_state(cache):
+        cache.state = (keys, values)
+        if meta is not None:
+            cache.meta_state = tuple(str(value) for value in meta)
+        cache.offset = offset  # 0.31's KVCache takes its offset from the buffer's length
+    else:
+        cache.state = (keys, values, offset, *settings)
 
 
 def _field(plain, prefix, key, kind_):
