@@ -27,6 +27,7 @@ _LAZY = {"Pool": ("kvpool", "Pool"), "Budget": ("kvpool", "Budget"), "StepReques
 
 
 def __getattr__(name: str):
+    """The engine and pool names superfluid re-exports, imported when first asked for."""
     if name not in _LAZY:
         raise AttributeError(f"module 'superfluid' has no attribute {name!r}")
     import importlib

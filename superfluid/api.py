@@ -53,16 +53,25 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class Message(msgspec.Struct):
-    """One chat message (text content only)."""
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat message (text content only). The fields OpenAI's clients send back with an
+    assistant reply are known: refusal and annotations change nothing; name, tool calls, a
+    function call and audio would, and are refused when given (text_of)."""
 
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused when given: tool calling is not supported
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """What a stream adds: the usage chunk at its end."""
+
     include_usage: bool = False
 
 
@@ -179,12 +188,17 @@ def logprobs_of(request: _Streamed, *, chat: bool) -> int | None:
     else:
         if request.top_logprobs is not None:
             raise ApiError(400, "completions take the number of alternatives as `logprobs`", param="top_logprobs")
+        if isinstance(request.logprobs, bool) and request.logprobs:
+            raise ApiError(400, "completions take `logprobs` as the number of alternatives (0 to 20), not true",
+                           param="logprobs")
         count = None if request.logprobs is None or request.logprobs is False else int(request.logprobs)
         name = "logprobs"
     if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"`{name}` must be in [0, {MAX_TOP_LOGPROBS}]", param=name)
     return count
 
+
+WHOLE_CONTEXT = 1 << 30  # a repetition window longer than any context
 
 # Request names of the session's sampling settings, for errors that name what the client sent.
 _SAMPLING_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -198,7 +212,7 @@ def sampling_of(request: _Sampled) -> dict:
         if getattr(request, name) is not None:
             settings[name] = float(getattr(request, name))
     if request.top_k is not None:
-        settings["top_k"] = int(request.top_k)
+        settings["top_k"] = max(int(request.top_k), 0)  # vLLM's -1 and llama.cpp's 0 both turn it off
     penalties = {name: getattr(request, name) for name in ("repeat_penalty", "repetition_penalty")
                  if getattr(request, name) is not None}
     if len(set(penalties.values())) > 1:
@@ -206,8 +220,8 @@ def sampling_of(request: _Sampled) -> dict:
                        param="repetition_penalty")
     if penalties:
         settings["repetition_penalty"] = float(next(iter(penalties.values())))
-    if request.repeat_last_n is not None:
-        settings["repetition_window"] = int(request.repeat_last_n)
+    if request.repeat_last_n is not None:  # llama.cpp's -1: the whole context
+        settings["repetition_window"] = WHOLE_CONTEXT if request.repeat_last_n == -1 else int(request.repeat_last_n)
     if request.seed is not None:
         settings["seed"] = int(request.seed) % (1 << 64)
     try:
@@ -229,9 +243,12 @@ def stops_of(request: _Streamed) -> list[str]:
 
 def text_of(message: Message) -> str:
     """A message's text (content parts of type text joined); ApiError for other parts."""
-    if message.tool_calls:
-        raise ApiError(400, "messages with `tool_calls` are not supported (tool calling is not)", param="messages",
-                       code="unsupported_parameter")
+    for field, why in (("tool_calls", "tool calling"), ("tool_call_id", "tool calling"),
+                       ("function_call", "function calling"), ("audio", "audio"),
+                       ("name", "participant names (the chat template would not see them)")):
+        if getattr(message, field):
+            raise ApiError(400, f"messages with `{field}` are not supported ({why})", param="messages",
+                           code="unsupported_parameter")
     if message.content is None:
         raise ApiError(400, f"a {message.role} message needs `content`", param="messages")
     if isinstance(message.content, str):

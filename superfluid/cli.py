@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -57,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _version() -> str:
     """superfluid's version and the runtime libraries installed beside it."""
-    from superfluid import __version__
+    from superfluid import DISTRIBUTION, __version__
 
+    try:  # the installed record, as `compat` reports it
+        __version__ = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pass  # running from a source tree that was never installed
     libraries = [f"{registry.get(r).distribution} {registry.status(r).installed_version or 'not installed'}"
                  for r in registry.RUNTIMES]
     return f"superfluid {__version__} ({', '.join(libraries)})"

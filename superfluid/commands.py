@@ -133,17 +133,23 @@ class Commands:
     def _rerender(self, live: Live, message: dict) -> None:
         """Add `message` under a template that rewrites earlier turns: the whole conversation is
         rendered and tokenized, the session keeps its longest common token prefix with that (and
-        the KV of it), and the rest replaces what followed, as llama-server reuses a cached prompt."""
+        the KV of it), and the rest replaces what followed, as llama-server reuses a cached prompt.
+        Raw tokens appended between messages are not part of any rendering, so they go too."""
         state = live.state
         messages = [*state.messages, message]
         tokens = self.engine.tokenize(self._template().render(messages), special=True)
         keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
                                                                                              len(state.tokens)))
+        records = []
         if keep < len(state.tokens):
-            self.trim(state.id, keep)  # the messages that end past the cut are logged again below
+            self.kv.cut(live, keep)
+            records.append(Trimmed(state.id, keep))
+        kept = sum(1 for end in state.message_ends if end <= keep)  # the messages the cut leaves whole
         # where a rewritten message ends inside the new text is unknown: each ends with the whole
-        turns = [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[len(state.messages):]]
-        self.scheduler.commit(live, tokens[keep:], *turns)
+        records += [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[kept:]]
+        self.scheduler.commit(live, tokens[keep:], *records, at=keep)  # one log append: all or nothing
+        if state.parked is None:
+            self.kv.hold(live, None)
 
     def append_tokens(self, session_id: str, tokens: list[int]) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""
@@ -176,7 +182,8 @@ class Commands:
             raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
         if priority is not None and priority not in PRIORITIES:
             raise ValueError(f"priority {priority!r}: use one of {', '.join(PRIORITIES)}")
-        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= sampler.MAX_TOP_LOGPROBS):
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                     or not 0 <= logprobs <= sampler.MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs={logprobs!r}: must be a whole number of alternatives in "
                              f"[0, {sampler.MAX_TOP_LOGPROBS}], or None for no logprobs")
         settings = sampler.Sampling(**{**{f: getattr(live.state.sampling, f) for f in sampler.Sampling.__struct_fields__},
@@ -232,8 +239,10 @@ class Commands:
         reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
         try:
             closing = self._template().closing(live.state.messages, reply)
-        except TemplateRewrites:  # nothing to add now: the next message renders the whole conversation
-            closing = ""
+        except TemplateRewrites:  # the reply renders otherwise than it was written (a template that
+            # strips reasoning, or trims the reply): the session takes what the template renders
+            self._rerender(live, {"role": "assistant", "content": job.stream.text})
+            return
         if ended:
             mark = self.engine.detokenize([produced[-1]]).decode(errors="replace")
             closing = closing[len(mark):] if closing.startswith(mark) else closing

@@ -8,6 +8,7 @@ sampled token is listed, an end-of-turn token included: it is what the model cho
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from superfluid.sampling import TokenLogprobs
@@ -31,12 +32,13 @@ def chat(scored: Sequence[TokenLogprobs]) -> dict:
 
 
 def completion(scored: Sequence[TokenLogprobs], offset: int = 0) -> dict:
-    """A completion choice's `logprobs` object, its text offsets counted from `offset` characters."""
+    """A completion choice's `logprobs` object, its text offsets counted from `offset` characters:
+    where a token starts in the text, with a character split across tokens counted once."""
     tokens = [_spelled(s.bytes) for s in scored]
-    offsets = []
-    for token in tokens:
+    decoder, offsets = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
+    for entry in scored:
         offsets.append(offset)
-        offset += len(token)
+        offset += len(decoder.decode(entry.bytes))
     return {"tokens": tokens, "token_logprobs": [s.logprob for s in scored],
             "top_logprobs": [_by_spelling(s.top) for s in scored], "text_offset": offsets}
 

@@ -458,9 +458,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- committing
 
-    def commit(self, live: Live, tokens: list[int], *records) -> None:
-        """Append `tokens` to the session (after `records`): logged (written) before anyone hears of them."""
-        self.log.append(*records, Tokens(live.state.id, len(live.state.tokens), tokens))
+    def commit(self, live: Live, tokens: list[int], *records, at: int | None = None) -> None:
+        """Append `tokens` to the session (after `records`): logged (written) before anyone hears of
+        them. `at`: where they start when `records` change the session's length (a trim)."""
+        self.log.append(*records, Tokens(live.state.id, len(live.state.tokens) if at is None else at, tokens))
         live.since_park += len(tokens)
         live.last_used = self.next_order()
 
@@ -471,7 +472,9 @@ class Scheduler:
         live.idle_since = self.clock()
         if live.seq is None:
             self.kv.release_held(live)  # ended while swapped out
-        rest = job.stream.finish() if reason in ("length", "cancelled", "timeout", "closed", "error") else ""
+        # text held back as a possible start of a stop string is the reply's after all, also when
+        # an end-of-turn token ended it (after a stop string matched, finish() holds nothing)
+        rest = job.stream.finish()
         if rest:
             job.generation._put(Piece(rest, -1))
         self.counters.generations += 1

@@ -11,8 +11,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from engines import models, registry
@@ -66,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     as --<runtime>-<name> VALUE, listed from their declarations."""
 
     def flag(*names, **options) -> None:
+        if "choices" in options:  # argparse checks choices on the command line only, not on a
+            options["type"] = _one_of(options["choices"])  # default taken from the environment
         action = parser.add_argument(*names, **options)
         _from_environment(action)
 
@@ -106,6 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _from_environment(action)
 
 
+def _one_of(choices) -> Callable[[str], str]:
+    """An argparse type that accepts only `choices` (whether the value came from the command line
+    or from the environment)."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    return check
+
+
 def _from_environment(action: argparse.Action) -> None:
     """Take the flag's default from $SUPERFLUID_<NAME> (parsed as the flag would be) and say so."""
     variable = ENVIRONMENT_PREFIX + action.dest.replace("__", "_").upper()
@@ -123,6 +137,8 @@ def runtime_options(runtime: str, args: argparse.Namespace) -> dict:
             continue
         owner, name = key.split("__", 1)
         if owner != runtime:
+            if os.environ.get(f"{ENVIRONMENT_PREFIX}{owner}_{name}".upper()) == value:
+                continue  # set in the environment for models on the other runtime: not this one's
             raise UsageError(f"--{owner}-{name.replace('_', '-')} is an option of the {owner} runtime; this model runs "
                              f"on {runtime}")
         options[name] = value
@@ -145,9 +161,9 @@ def check_memory(model: Path, pool_bytes: int) -> None:
 def run(args: argparse.Namespace, rest: list[str]) -> int:
     """Serve until SIGTERM or SIGINT; the exit code. Every expected failure is one line on stderr
     with its exit code, never a traceback; the port is taken before the model loads."""
-    logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
     server = None
     try:
+        logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
         if rest:
             raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
         model = Path(args.model) if args.model else models.default_model(progress=lambda m: print(m, flush=True))
@@ -174,9 +190,13 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _listen(args: argparse.Namespace, model: Path) -> Server:
     """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: a port is 0 to 65535 (0: any free one)")
     try:
         return Server(None, (args.host, args.port), api_key=args.api_key,
                       model_name=args.model_name or model_name_of(model))
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {args.host}: not an address this machine can listen on ({exc.strerror})") from None
     except OSError as exc:
         raise PortUnavailable(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another "
                               "--port (0: any free one)") from None

@@ -150,7 +150,8 @@ class Handler(BaseHTTPRequestHandler):
         parts = path.split("/")
         self.session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
         route = "/".join(parts[:3] + ["*"] + parts[4:]) if self.session_id is not None else path
-        status, started = 500, time.perf_counter()
+        status = 500
+        started = self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.responded = False  # once a status line went out, an error may not write another
         try:
             handler = routes.get(route)
@@ -357,7 +358,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _answer(self, generation, request, chat: bool) -> None:
         """Answer with `generation`: one JSON body, or server-sent events."""
-        started = time.perf_counter()
+        started = self.arrived
         pieces = self._timed(iter(generation), started)
         try:
             # The status goes out with the first piece: a generation refused while it waited
@@ -397,9 +398,11 @@ class Handler(BaseHTTPRequestHandler):
             return
         scored = [first.logprobs] if first is not None and first.logprobs is not None else []
         try:
-            scored += [piece.logprobs for piece in pieces if piece.logprobs is not None]
+            for piece in pieces:
+                if piece.logprobs is not None:
+                    scored.append(piece.logprobs)
         except GenerationTimeout:
-            pass  # what it produced is answered, with finish_reason "length"
+            pass  # what it produced is answered (its logprobs too), with finish_reason "length"
         text = generation.text
         reason = FINISH.get(generation.finish_reason or "stop", "stop")
         wanted = api.logprobs_of(request, chat=chat) is not None

@@ -118,3 +118,36 @@ def test_a_template_that_rewrites_past_turns_keeps_the_common_prefix(tmp_path):
     finally:
         host.close()
         remove_segment(pool)
+
+
+# Renders an assistant's reply otherwise than the model wrote it, as templates that strip
+# reasoning or trim replies do: the turn cannot be closed by appending.
+SHOUTS_REPLIES = ("{% for m in messages %}{% set content = m.content | upper if m.role == 'assistant' else m.content %}"
+                  "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_reply_the_template_renders_otherwise_is_rerendered_when_its_turn_closes(tmp_path):
+    from superfluid import Host
+    from tests import tinymodels
+    from tests.conftest import remove_segment, unique_pool_name
+
+    model = tinymodels.build(tmp_path, "f32", chat_template=SHOUTS_REPLIES)
+    pool = unique_pool_name()
+    host = Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log", llamacpp_threads=2,
+                llamacpp_n_ctx=2048, idle_park_seconds=None)
+    try:
+        session = host.session()
+        session.append_user("say something")
+        reply = session.complete(max_tokens=8, ignore_eos=True)
+        assert reply != reply.upper()  # the tiny model writes lower case: the template changes it
+        messages = [{"role": "user", "content": "say something"}, {"role": "assistant", "content": reply}]
+        assert session.messages == messages
+        whole = host.call(lambda: host.commands.engine.tokenize(ChatTemplate(SHOUTS_REPLIES).render(messages),
+                                                                special=True))
+        assert session.tokens == whole  # the session holds what the template renders, not the raw reply
+        session.append_user("again")  # and grows from there
+        assert session.messages[-1] == {"role": "user", "content": "again"}
+    finally:
+        host.close()
+        remove_segment(pool)

@@ -91,3 +91,13 @@ def test_served_chat_logprobs_stream_as_they_do_whole(served):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
     plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_completion_offsets_count_a_character_split_across_tokens_once():
+    from superfluid import logprobs as shapes
+    from superfluid.sampling import TokenLogprobs
+
+    split = [TokenLogprobs(1, "😀".encode()[:2], -1.0, ()), TokenLogprobs(2, "😀".encode()[2:], -1.0, ()),
+             TokenLogprobs(3, b"!", -1.0, ())]
+    assert shapes.completion(split)["text_offset"] == [0, 0, 1]
+    assert shapes.completion(split, offset=5)["text_offset"] == [5, 5, 6]

@@ -79,8 +79,8 @@ def test_llama_cpp_and_vllm_sampling_names_reach_the_sampler():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"),
-    ({"repetition_penalty": -2}, "repetition_penalty"), ({"repeat_last_n": -1}, "repeat_last_n"),
+    ({"min_p": 1.5}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"repetition_penalty": -2}, "repetition_penalty"), ({"repeat_last_n": -2}, "repeat_last_n"),
     ({"temperature": -1}, "temperature"), ({"repeat_penalty": 1.1, "repetition_penalty": 1.3}, "repetition_penalty"),
 ])
 def test_a_bad_sampling_value_names_the_field_the_client_sent(fields, param):
@@ -114,3 +114,30 @@ def test_a_body_that_is_not_an_object_is_a_400():
         with pytest.raises(api.ApiError) as caught:
             api.decode(body, api.ChatRequest)
         assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"role": "user", "content": "hi", "name": "alice"}, "name"),
+    ({"role": "assistant", "content": "x", "function_call": {"name": "f"}}, "function_call"),
+    ({"role": "user", "content": "hi", "tool_call_id": "7"}, "tool_call_id"),
+])
+def test_message_fields_that_would_change_the_answer_are_refused(message, field):
+    request = decode(messages=[message])
+    with pytest.raises(api.ApiError, match=f"`{field}`"):
+        api.text_of(request.messages[0])
+
+
+def test_unknown_fields_inside_a_message_or_the_stream_options_are_named():
+    assert refused(messages=[{"role": "user", "content": "hi", "mood": "happy"}]).param == "mood"
+    assert refused(stream=True, stream_options={"continuous_usage_stats": True}).param == "continuous_usage_stats"
+
+
+def test_the_off_values_of_llama_cpp_and_vllm_mean_off():
+    assert api.sampling_of(decode(top_k=-1)) == {"top_k": 0}
+    assert api.sampling_of(decode(repeat_last_n=-1)) == {"repetition_window": api.WHOLE_CONTEXT}
+
+
+def test_completions_count_alternatives_and_refuse_true():
+    body = b'{"model": "m", "prompt": "p", "logprobs": true}'
+    with pytest.raises(api.ApiError, match="number of alternatives"):
+        api.logprobs_of(api.decode(body, api.CompletionRequest), chat=False)

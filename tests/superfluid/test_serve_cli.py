@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,6 +94,30 @@ def test_a_second_server_on_a_busy_log_or_pool_says_so_in_one_line(served, tiny_
 def test_each_request_is_logged_in_one_line(served):
     served.raw("GET", "/health")
     served.raw("GET", '/x"y{z}')
-    lines = served.stderr().splitlines()
-    assert any(re.search(r"GET '/health' 200 \d+ ms$", line) for line in lines)
-    assert any("GET '/x\"y{z}' 404 " in line for line in lines)
+
+    def logged() -> tuple[bool, bool]:
+        lines = served.stderr().splitlines()
+        return (any(re.search(r"GET '/health' 200 \d+ ms$", line) for line in lines),
+                any("GET '/x\"y{z}' 404 " in line for line in lines))
+
+    # a line is written once its answer went out, so the client may read the file first: wait
+    deadline = time.monotonic() + 60
+    while not all(logged()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert logged() == (True, True)
+
+
+def test_values_from_the_environment_meet_the_flags_checks(tiny_models, monkeypatch):
+    done = serve("serve", str(tiny_models["f32"].gguf), env={"SUPERFLUID_LOG_LEVEL": "verbose"})
+    assert done.returncode == 2 and "'verbose' is not one of" in done.stderr and "Traceback" not in done.stderr
+    done = serve("serve", str(tiny_models["f32"].gguf), "--port", "70000")
+    assert done.returncode == 2 and "0 to 65535" in one_line(done)
+    # an option set in the environment for the other runtime is not this model's business
+    from superfluid.serve import add_arguments, runtime_options
+
+    monkeypatch.setenv("SUPERFLUID_MLX_KV_BITS", "4")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert runtime_options("llamacpp", parser.parse_args([]))["n_ctx"] == -1
+    with pytest.raises(Exception, match="is an option of the mlx runtime"):
+        runtime_options("llamacpp", parser.parse_args(["--mlx-kv-bits", "8"]))
