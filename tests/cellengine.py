@@ -7,8 +7,8 @@ than are free raises NoRoom before it changes anything, and the logits of a step
 of the hash in the sequence's last cell. So a lane restored with the wrong state, or fed a token
 twice, produces other tokens than the uninterrupted run: the tests compare outputs exactly.
 
-Its KV travels through the real pool: `export` writes the cells' tokens and hashes as two arrays
-of a pool entry, `import_` reads them back (verified first).
+Its KV travels through the real pool: its `snapshot` is the cells' tokens and hashes as two
+arrays of a pool entry, and `import_` reads them back (verified first).
 """
 
 from __future__ import annotations

@@ -54,3 +54,33 @@ def test_a_stop_string_inside_a_multibyte_character_stream():
 def test_no_stop_strings(stop):
     stream = TextStream(stop)
     assert stream.feed(b"abc") == "abc" and stream.finish() == ""
+
+
+def test_text_held_for_a_stop_string_is_the_replys_when_an_end_of_turn_token_ends_it(tmp_path):
+    """An end-of-turn token while a possible stop string's start is held back: the held text is the
+    reply's after all (the stream ends without the stop string)."""
+    from superfluid import Host
+    from tests.cellengine import CellEngine
+    from tests.conftest import remove_segment, unique_pool_name
+
+    def run(eos: tuple[int, ...], stop: list[str], name: str):
+        pool = unique_pool_name()
+        host = Host("cell-engine", engine_factory=lambda: CellEngine(1024, eos=eos), pool_name=pool,
+                    pool_bytes=16 << 20, log_dir=tmp_path / name, idle_park_seconds=None)
+        try:
+            session = host.session()
+            session.append_tokens([1, 2, 3])
+            generation = session.generate(max_tokens=12, stop=stop)
+            generation.collect()
+            return generation.tokens, generation.text, generation.finish_reason
+        finally:
+            host.close()
+            remove_segment(pool)
+
+    tokens, text, _ = run((), [], "free")
+    # the first token that has not appeared before, at least two tokens in: it will end the reply
+    end = next(k for k in range(2, len(tokens)) if tokens[k] not in tokens[:k])
+    held = text[end - 1]  # the letter before it, which a stop string starting with it holds back
+    ended, reply, reason = run((tokens[end],), [held + "!"], "ended")
+    assert ended == tokens[:end + 1] and reason == "stop"
+    assert reply == text[:end]  # the held letter is not lost
