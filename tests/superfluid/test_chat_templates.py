@@ -74,6 +74,28 @@ def test_raise_exception_is_a_chat_error_naming_the_templates_message():
     assert template_source
 
 
+@pytest.fixture
+def template_host(tmp_path):
+    """template_host(template) -> a Host on a tiny model that ships `template`; closed after the test."""
+    from superfluid import Host
+    from tests import tinymodels
+    from tests.conftest import remove_segment, unique_pool_name
+
+    opened = []
+
+    def make(template: str) -> Host:
+        model = tinymodels.build(tmp_path / f"model-{len(opened)}", "f32", chat_template=template)
+        pool = unique_pool_name()
+        opened.append((Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / f"log-{len(opened)}",
+                            llamacpp_threads=2, llamacpp_n_ctx=2048, idle_park_seconds=None), pool))
+        return opened[-1][0]
+
+    yield make
+    for host, pool in opened:
+        host.close()
+        remove_segment(pool)
+
+
 # Like Qwen3's: a past assistant turn loses its reasoning once a user speaks after it.
 DROPS_PAST_REASONING = (
     "{% for m in messages %}{% set content = m.content %}"
@@ -82,42 +104,31 @@ DROPS_PAST_REASONING = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_a_template_that_rewrites_past_turns_keeps_the_common_prefix(tmp_path):
+def test_a_template_that_rewrites_past_turns_keeps_the_common_prefix(template_host):
     """A rewritten assistant turn: the session keeps the tokens (and KV) up to the rewrite, and
     then holds exactly what the whole conversation renders to, as a cold session would."""
-    from superfluid import Host
-    from tests import tinymodels
-    from tests.conftest import remove_segment, unique_pool_name
-
-    model = tinymodels.build(tmp_path, "f32", chat_template=DROPS_PAST_REASONING)
-    pool = unique_pool_name()
-    host = Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log", llamacpp_threads=2,
-                llamacpp_n_ctx=2048, idle_park_seconds=None)
-    try:
-        session = host.session()
-        session.append_user("Hello there")
-        session.append_assistant("<think>long reasoning here</think>Hi!")
-        before = session.tokens
-        session.append_user("How are you?")
-        messages = [{"role": "user", "content": "Hello there"},
-                    {"role": "assistant", "content": "<think>long reasoning here</think>Hi!"},
-                    {"role": "user", "content": "How are you?"}]
-        assert session.messages == messages
-        whole = host.call(lambda: host.commands.engine.tokenize(
-            ChatTemplate(DROPS_PAST_REASONING).render(messages), special=True))
-        assert session.tokens == whole  # what the whole conversation renders to
-        common = next(i for i, (a, b) in enumerate(zip(before, whole)) if a != b)
-        assert session.tokens[:common] == before[:common] and len(whole) < len(before) + 8
-        generated = session.generate(max_tokens=4, ignore_eos=True)
-        generated.collect()
-        prompt = session.tokens[:len(whole)] + host.call(lambda: host.commands.engine.tokenize(
-            "<|im_start|>assistant\n", special=True))
-        cold = host.session()
-        cold.append_tokens(prompt)
-        assert cold.complete(max_tokens=4, ignore_eos=True) == generated.text  # as a cold session on those tokens
-    finally:
-        host.close()
-        remove_segment(pool)
+    host = template_host(DROPS_PAST_REASONING)
+    session = host.session()
+    session.append_user("Hello there")
+    session.append_assistant("<think>long reasoning here</think>Hi!")
+    before = session.tokens
+    session.append_user("How are you?")
+    messages = [{"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "<think>long reasoning here</think>Hi!"},
+                {"role": "user", "content": "How are you?"}]
+    assert session.messages == messages
+    whole = host.call(lambda: host.commands.engine.tokenize(
+        ChatTemplate(DROPS_PAST_REASONING).render(messages), special=True))
+    assert session.tokens == whole  # what the whole conversation renders to
+    common = next(i for i, (a, b) in enumerate(zip(before, whole)) if a != b)
+    assert session.tokens[:common] == before[:common] and len(whole) < len(before) + 8
+    generated = session.generate(max_tokens=4, ignore_eos=True)
+    generated.collect()
+    prompt = session.tokens[:len(whole)] + host.call(lambda: host.commands.engine.tokenize(
+        "<|im_start|>assistant\n", special=True))
+    cold = host.session()
+    cold.append_tokens(prompt)
+    assert cold.complete(max_tokens=4, ignore_eos=True) == generated.text  # as a cold session on those tokens
 
 
 # Renders an assistant's reply otherwise than the model wrote it, as templates that strip
@@ -127,27 +138,16 @@ SHOUTS_REPLIES = ("{% for m in messages %}{% set content = m.content | upper if 
                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_a_reply_the_template_renders_otherwise_is_rerendered_when_its_turn_closes(tmp_path):
-    from superfluid import Host
-    from tests import tinymodels
-    from tests.conftest import remove_segment, unique_pool_name
-
-    model = tinymodels.build(tmp_path, "f32", chat_template=SHOUTS_REPLIES)
-    pool = unique_pool_name()
-    host = Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log", llamacpp_threads=2,
-                llamacpp_n_ctx=2048, idle_park_seconds=None)
-    try:
-        session = host.session()
-        session.append_user("say something")
-        reply = session.complete(max_tokens=8, ignore_eos=True)
-        assert reply != reply.upper()  # the tiny model writes lower case: the template changes it
-        messages = [{"role": "user", "content": "say something"}, {"role": "assistant", "content": reply}]
-        assert session.messages == messages
-        whole = host.call(lambda: host.commands.engine.tokenize(ChatTemplate(SHOUTS_REPLIES).render(messages),
-                                                                special=True))
-        assert session.tokens == whole  # the session holds what the template renders, not the raw reply
-        session.append_user("again")  # and grows from there
-        assert session.messages[-1] == {"role": "user", "content": "again"}
-    finally:
-        host.close()
-        remove_segment(pool)
+def test_a_reply_the_template_renders_otherwise_is_rerendered_when_its_turn_closes(template_host):
+    host = template_host(SHOUTS_REPLIES)
+    session = host.session()
+    session.append_user("say something")
+    reply = session.complete(max_tokens=8, ignore_eos=True)
+    assert reply != reply.upper()  # the tiny model writes lower case: the template changes it
+    messages = [{"role": "user", "content": "say something"}, {"role": "assistant", "content": reply}]
+    assert session.messages == messages
+    whole = host.call(lambda: host.commands.engine.tokenize(ChatTemplate(SHOUTS_REPLIES).render(messages),
+                                                            special=True))
+    assert session.tokens == whole  # the session holds what the template renders, not the raw reply
+    session.append_user("again")  # and grows from there
+    assert session.messages[-1] == {"role": "user", "content": "again"}
