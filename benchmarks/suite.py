@@ -17,7 +17,9 @@ Measured side by side in the same run, each a median with its range and a ratio 
 6. an interactive session's time to first token behind 8 background sessions, against idle;
 7. memory: the pool's bytes per cached token against the price it computed (they must agree);
 8. under load, against llama-cpp-python's server on 4,096 cells: decode beside 6 idle 2,000-token
-   sessions, a chat's first token behind 8 agents with 1,800-token prompts, 32 clients at once.
+   sessions, a chat's first token behind 8 agents with 1,800-token prompts, 32 clients at once;
+9. the HTTP layer: decode tokens/s through `superfluid serve` against the same Host in-process at
+   1, 2, 4 and 8 requests at once, and /health beside 1,000 half-open connections.
 
 Writes, into --out-dir (default docs/): benchmarks.json (the run, with the machine), benchmarks.png
 (the plot), and the tables into benchmarks.md between its markers. It then compares the ratios
@@ -39,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import decode_bound, host_ratios, load, report, restore, servers, ttft  # noqa: E402
+from benchmarks import decode_bound, host_ratios, load, over_http, report, restore, servers, ttft  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.regression import compare  # noqa: E402
 from engines import models  # noqa: E402
@@ -77,7 +79,8 @@ class Sizes:
         """Progress-bar steps the run takes with `engines` engine-level runs (runtimes and models)."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
         servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
-        return engines * per_engine + servers + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
+        http = len(self.concurrency) + 1  # HTTP against in-process, /health beside half-open connections
+        return engines * per_engine + servers + http + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
@@ -141,6 +144,8 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress,
                   counts=list(sizes.concurrency), tokens=sizes.decode_tokens, repeat=sizes.decode_repeat, tick=tick)
     decode_bound.bench(run, model, list(sizes.concurrency), steps=32, repeat=sizes.decode_repeat, group=servers.DECODE,
                        ours=lambda count: f"{servers.OURS}: decode tokens/s, {count} at once", tick=tick)
+    progress.set_description("HTTP against in-process")
+    over_http.bench(run, model, list(sizes.concurrency), sizes.decode_tokens, sizes.decode_repeat, tick)
     progress.set_description("interactive")
     hosts = host_ratios.Hosts(model)
     try:

@@ -14,6 +14,7 @@ session where it was committed, and the KV it had parked still in the shared seg
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +101,17 @@ class Host:
         """Run one of `self.commands` (or any callable that must touch the engine) on the
         scheduler thread, and return its result or raise its error. Safe from any thread."""
         return self._scheduler.call(command, *args)
+
+    def submit(self, command: Callable[..., T], *args: Any) -> concurrent.futures.Future:
+        """`call` without waiting: queue the command on the scheduler thread and return its
+        future (`asyncio.wrap_future` awaits it in an event loop). HostClosed if the host is
+        closed; a future the scheduler never answers (it failed as the command came in) is
+        found by `alive()`."""
+        return self._scheduler.submit(command, *args)
+
+    def alive(self) -> bool:
+        """True while the scheduler thread runs (False once closed or failed)."""
+        return self._scheduler.alive()
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
                 **sampling: Any) -> Session:

@@ -53,10 +53,10 @@ HOST_SERIES = (
 
 
 class _HostCollector:
-    """Reads the host's statistics once per scrape."""
+    """The host's statistics as series: those of the scrape being answered."""
 
-    def __init__(self, stats) -> None:
-        self._stats = stats
+    def __init__(self) -> None:
+        self.stats = None  # set by Metrics.exposition for the scrape it answers
 
     def describe(self):
         """The host's series without values (the registry asks at registration, before a host
@@ -65,11 +65,12 @@ class _HostCollector:
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
 
     def collect(self):
-        """The host's series, from one `stats()` call."""
-        stats = self._stats()
+        """The host's series, from the statistics of this scrape (none before a host exists)."""
+        if self.stats is None:
+            return
         for name, kind, help_text, field in HOST_SERIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(f"superfluid_{name}", help_text, value=getattr(stats, field))
+            yield family(f"superfluid_{name}", help_text, value=getattr(self.stats, field))
 
 
 class Metrics:
@@ -90,13 +91,8 @@ class Metrics:
         self.latency_seconds = Histogram("superfluid_e2e_request_latency_seconds",
                                          "Seconds from a generating request's arrival to its last byte.",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._host = None
-
-    def watch(self, stats) -> None:
-        """Report `stats()` (the host's statistics) at every scrape from now on."""
-        if self._host is None:
-            self._host = _HostCollector(stats)
-            self.registry.register(self._host)
+        self._host = _HostCollector()
+        self.registry.register(self._host)
 
     def route_label(self, route: str) -> str:
         """The route label for a request's route: itself if the server serves it, else `other`."""
@@ -118,6 +114,12 @@ class Metrics:
         """Record a generating request's whole time."""
         self.latency_seconds.observe(seconds)
 
-    def exposition(self) -> bytes:
-        """The Prometheus text of everything (CONTENT_TYPE says its version)."""
-        return generate_latest(self.registry)
+    def exposition(self, stats=None) -> bytes:
+        """The Prometheus text of everything, the host's series from `stats` (its HostStats, read
+        for this scrape); CONTENT_TYPE says the format's version. Called on one thread at a time
+        (the server's event loop): the statistics are held for the length of the call."""
+        self._host.stats = stats
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._host.stats = None

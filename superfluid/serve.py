@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
+import resource
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,11 +23,12 @@ from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
 from superfluid.errors import LogBusy
 from superfluid.host import DEFAULT_POOL_BYTES, Host
 from superfluid.responses import kv_summary
-from superfluid.server import Server, model_name_of
+from superfluid.server import BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server, model_name_of
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # Ctrl-C before serving began, as shells report SIGINT
 LOG_LEVELS = ("debug", "info", "warning", "error")
+FILES_BESIDE_CONNECTIONS = 256  # open files the process needs besides its connections
 
 
 # What serve changes of the runtimes' own defaults (the library's Host keeps them for exactness):
@@ -88,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--log-level", default="info", choices=LOG_LEVELS, help="what goes to stderr: info logs a line per "
          "request (default: info)")
     flag("--model-name", help="the id /v1/models shows (default: the file's name)")
+    flag("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections; beyond them a request is "
+         f"answered 503 with Retry-After and its connection closed (default: {MAX_CONNECTIONS})")
+    flag("--timeout-keep-alive", type=float, default=KEEP_ALIVE_TIMEOUT, help="seconds an idle kept-alive "
+         f"connection stays open (default: {KEEP_ALIVE_TIMEOUT:g})")
+    flag("--header-timeout", type=float, default=HEADER_TIMEOUT, help="seconds a connection has to send a whole "
+         f"request head, its body has {BODY_TIMEOUT:g} more (default: {HEADER_TIMEOUT:g})")
     flag("--max-waiting", type=int, default=64, help="generations that may wait for the engine at once; beyond them "
          "a request is answered 503 with Retry-After (default: 64)")
     flag("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long without starting is "
@@ -164,6 +170,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     server = None
     try:
         logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
+        # uvicorn's own lines (started, shutting down, waiting for connections) say nothing serve
+        # does not; its warnings and errors still show
+        logging.getLogger("uvicorn").setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)
         if rest:
             raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
         model = Path(args.model) if args.model else models.default_model(progress=lambda m: print(m, flush=True))
@@ -183,7 +192,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                            **{f"{runtime}_{k}": v for k, v in options.items()})
     except BaseException as exc:  # noqa: BLE001 - each failure is answered with its line and code
         if server is not None:
-            server.server_close()
+            server.close()
         return _failed(exc)
     return _serve(server, runtime)
 
@@ -192,9 +201,19 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
     """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a port is 0 to 65535 (0: any free one)")
+    for name, value in (("--max-connections", args.max_connections), ("--timeout-keep-alive", args.timeout_keep_alive),
+                        ("--header-timeout", args.header_timeout)):
+        if not value > 0:
+            raise UsageError(f"{name} {value}: it must be above 0")
+    allowed = open_file_limit(args.max_connections)
+    if allowed < args.max_connections:
+        logging.getLogger(__name__).warning("--max-connections %d: this process may open only %d files (ulimit -n); "
+                                            "serving at most %d connections", args.max_connections,
+                                            allowed + FILES_BESIDE_CONNECTIONS, allowed)
     try:
         return Server(None, (args.host, args.port), api_key=args.api_key,
-                      model_name=args.model_name or model_name_of(model))
+                      model_name=args.model_name or model_name_of(model), max_connections=allowed,
+                      header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive)
     except socket.gaierror as exc:
         raise UsageError(f"--host {args.host}: not an address this machine can listen on ({exc.strerror})") from None
     except OSError as exc:
@@ -231,25 +250,28 @@ def _failed(exc: BaseException) -> int:
 
 
 def _serve(server: Server, runtime: str) -> int:
-    """Answer requests until SIGTERM or SIGINT, then stop gracefully."""
+    """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.server)."""
     host = server.host
-    stopping = threading.Event()
-
-    def stop(signum, frame) -> None:  # SIGTERM/SIGINT: no new requests, lanes parked, log synced
-        if not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=server.stop, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     kv = kv_summary(host.stats())
     print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
     print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each; pool export budget "
           f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool", flush=True)
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.run()
     finally:
-        host.close()  # ends running generations (their streams finish), parks lanes, syncs the log
-        server.server_close()  # joins the request threads
+        host.close()  # run() closed it on the way out; this covers a server that failed to start
     print("superfluid: stopped", flush=True)
     return EXIT_OK
+
+
+def open_file_limit(connections: int) -> int:
+    """Raise this process's limit on open files toward what `connections` sockets need (each is
+    a file; the model, the log and the pool take some more); the connections it allows."""
+    needed = connections + FILES_BESIDE_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        soft = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    return max(min(connections, soft - FILES_BESIDE_CONNECTIONS), 1)

@@ -6,9 +6,10 @@ the engine) and waits for its answer, so they are safe from any thread.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from superfluid.host import Host
 
 PRIORITIES = ("interactive", "default", "background")  # most urgent first
+# A reader that waited this long for a piece checks that the scheduler still runs.
+LIVENESS_SECONDS = 0.5
 
 
 class Piece(NamedTuple):
@@ -52,7 +55,8 @@ class _Finished(NamedTuple):
 
 
 class Generation:
-    """A running generation: iterate it for pieces (it ends when the generation does).
+    """A running generation: iterate it for pieces (it ends when the generation does), with
+    `for` in a thread or `async for` in an event loop (no thread waits for it then).
 
     `finish_reason` is "stop" (an end-of-turn token or a stop string), "length" (max_tokens),
     "cancelled", "timeout" or "closed" once it has ended; `text` is everything emitted."""
@@ -68,13 +72,21 @@ class Generation:
         self.prompt_tokens = 0  # tokens the model read before its first output token
         self.cached_tokens = 0  # of those, how many came from cache instead of a prefill
         self._alive = lambda: True
+        self._wake: Callable[[], None] | None = None  # an async reader's: called after each put
 
     # -- the scheduler's side
     def _put(self, piece: Piece) -> None:
         self._queue.put(piece)
+        self._woken()
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self._queue.put(_Finished(reason, error))
+        self._woken()
+
+    def _woken(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            wake()
 
     # -- the application's side
     def cancel(self) -> None:
@@ -87,21 +99,55 @@ class Generation:
     def __next__(self) -> Piece:
         while True:
             try:
-                item = self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=LIVENESS_SECONDS)
             except queue.Empty:
-                if not self._alive():
-                    raise HostClosed("the host's scheduler stopped; its error was raised by the call that saw it") from None
+                self._check_alive()
                 continue
-            if isinstance(item, _Finished):
-                self._queue.put(item)  # later next() calls end too
-                self.finish_reason = self.finish_reason or item.reason
-                if item.error is not None:
-                    raise item.error
-                raise StopIteration
-            if item.token >= 0:  # -1: text held back until the end, released with no token
-                self.tokens.append(item.token)
-            self.text += item.text
-            return item
+            return self._accept(item, StopIteration)
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+
+        def wake() -> None:  # on the scheduler thread: hand the news to the loop
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:
+                pass  # the loop has closed: nobody reads any more
+
+        self._arrived, self._wake = arrived, wake
+        return self
+
+    async def __anext__(self) -> Piece:
+        while True:
+            # cleared before looking, so a piece put after the look still wakes the wait below
+            self._arrived.clear()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), LIVENESS_SECONDS)
+                except TimeoutError:
+                    self._check_alive()
+                continue
+            return self._accept(item, StopAsyncIteration)
+
+    def _accept(self, item: Piece | _Finished, end: type[Exception]) -> Piece:
+        """A piece taken from the queue, recorded; `end` raised when the generation is over."""
+        if isinstance(item, _Finished):
+            self._queue.put(item)  # later reads end too
+            self.finish_reason = self.finish_reason or item.reason
+            if item.error is not None:
+                raise item.error
+            raise end
+        if item.token >= 0:  # -1: text held back until the end, released with no token
+            self.tokens.append(item.token)
+        self.text += item.text
+        return item
+
+    def _check_alive(self) -> None:
+        if not self._alive():
+            raise HostClosed("the host's scheduler stopped; its error was raised by the call that saw it") from None
 
     def collect(self) -> str:
         """Run to the end and return the whole text."""

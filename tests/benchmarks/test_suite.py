@@ -128,7 +128,8 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     for group in ("restore and share through the pool (llama.cpp)", "restore and share through the pool (MLX)",
                   "restore: ours against the engine's own cache (llama.cpp)",
                   "restore: ours against the engine's own cache (MLX)", suite.ttft.GROUP, suite.servers.BURST,
-                  suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP):
+                  suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP,
+                  suite.over_http.GROUP):
         assert grouped.get(group), f"nothing measured for {group!r}"
     for label, ratio in result["ratios"].items():
         assert ratio["value"] > 0 and ratio["low"] <= ratio["value"] <= ratio["high"], label

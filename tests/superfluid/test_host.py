@@ -1,5 +1,8 @@
 """Host and Session on both engines (tiny f32 models built at test time, real shared memory)."""
 
+import asyncio
+import threading
+
 import pytest
 
 from superfluid import ContextFull, SessionBusy, SessionNotFound
@@ -171,6 +174,33 @@ def test_calls_from_many_threads(open_host):
     for s, generation in results:  # each thread got its own whole reply, committed to its own session
         assert generation.finish_reason == "length" and len(generation.tokens) == 5
         assert s.tokens[-5:] == generation.tokens and s.detokenize(s.tokens).startswith(PROMPT)
+
+
+def test_generations_read_in_an_event_loop_match_those_read_in_threads(open_host):
+    host = open_host()
+    expected = []
+    for i in range(3):
+        s = host.session()
+        s.append_text(f"{PROMPT} {i}")
+        expected.append(s.generate(max_tokens=6).collect())
+
+    async def read_all() -> list:
+        generations = []
+        for i in range(3):
+            s = host.session()
+            s.append_text(f"{PROMPT} {i}")
+            generations.append(s.generate(max_tokens=6))
+
+        async def read(generation) -> str:
+            return "".join([piece.text async for piece in generation])
+
+        threads = threading.active_count()
+        texts = await asyncio.gather(*(read(g) for g in generations))  # all three at once, on one thread
+        assert threading.active_count() == threads
+        return [(text, g.text, g.finish_reason, len(g.tokens)) for text, g in zip(texts, generations)]
+
+    for (text, recorded, reason, count), wanted in zip(asyncio.run(read_all()), expected):
+        assert text == recorded == wanted and reason == "length" and count == 6
 
 
 def test_bad_calls_name_the_problem_and_change_nothing(open_host, runtime):

@@ -171,6 +171,9 @@ def test_exit_codes(tiny_models, tmp_path):
     assert done.returncode == 2 and "is an option of the mlx runtime" in done.stderr
     done = serve_exit(model, "--llamacpp-n-ctx", "many")
     assert done.returncode == 2 and "n_ctx" in done.stderr
+    for flag in ("--max-connections", "--timeout-keep-alive", "--header-timeout"):
+        done = serve_exit(model, flag, "0")
+        assert done.returncode == 2 and f"{flag} 0" in done.stderr and "above 0" in done.stderr
     done = serve_exit(str(tmp_path / "missing.gguf"))
     assert done.returncode == 3 and "no model at" in done.stderr
     broken = tmp_path / "broken.gguf"

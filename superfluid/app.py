@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP API as an ASGI application around one Host.
+
+Nothing here blocks the event loop: a host call is queued on the scheduler thread and its future
+awaited, and a generation is read with `async for`, woken by the scheduler as each token is
+committed. So a thousand open connections cost a thousand small objects on one loop, not a
+thousand threads.
+
+    GET  /health                     no auth
+    GET  /metrics                    Prometheus text
+    GET  /v1/models
+    POST /v1/chat/completions        stream or not; usage with prompt_tokens_details.cached_tokens
+    POST /v1/completions
+    POST /v1/sessions …              sessions that outlive a request (docs/server.md)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from superfluid import api, completions, responses
+from superfluid import sampling as sampler
+from superfluid.errors import HostClosed
+from superfluid.metrics import CONTENT_TYPE, Metrics
+from superfluid.session import LIVENESS_SECONDS
+
+MAX_BODY = 1 << 20  # bytes of request body
+DRAIN_LIMIT = 16 << 20  # an oversized body up to this is read away before the 413; a larger one is cut off
+# Routes by method: path pattern (a session id is *) -> the App method that answers it. The
+# metrics' route label is one of these patterns, or "other".
+ROUTES = {
+    "GET": {"/health": "_health", "/metrics": "_metrics", "/v1/models": "_models", "/v1/sessions": "_session_list",
+            "/v1/sessions/*": "_session_info"},
+    "POST": {"/v1/chat/completions": "_chat", "/v1/completions": "_completions", "/v1/sessions": "_session_create",
+             "/v1/sessions/*/messages": "_session_messages", "/v1/sessions/*/generate": "_session_generate",
+             "/v1/sessions/*/fork": "_session_fork"},
+    "DELETE": {"/v1/sessions/*": "_session_delete"},
+}
+REQUESTS = logging.getLogger("superfluid.requests")
+
+
+class Exchange:
+    """One request and its response: the ASGI receive and send, with what was sent so far."""
+
+    def __init__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        self.method: str = scope["method"]
+        self.target = scope["raw_path"].decode("latin-1") + (f"?{scope['query_string'].decode('latin-1')}"
+                                                             if scope["query_string"] else "")
+        self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        self.client = (scope.get("client") or ("-", 0))[0]
+        self.arrived = time.perf_counter()  # first-token and latency clocks start here
+        self.receive, self._send = receive, send
+        self.responded = False  # a status went out: an error may not send another
+        self.close = False  # answer with Connection: close (the connection cannot carry another request)
+        self.gone = False  # the client went away
+        self.finished = False  # the response is complete
+
+    async def body(self, limit: int, timeout: float) -> bytes:
+        """The request body (ApiError 413 over `limit` bytes, 408 when it is not all in within
+        `timeout` seconds)."""
+        declared = self.headers.get("content-length")
+        try:
+            expected = int(declared) if declared is not None else None
+        except ValueError:
+            raise api.ApiError(400, "Content-Length is not a number") from None
+        try:
+            return await asyncio.wait_for(self._read(limit, expected), timeout)
+        except TimeoutError:
+            self.close = True  # the rest may still come: it must not be taken for the next request
+            raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                               code="request_timeout") from None
+
+    async def _read(self, limit: int, expected: int | None) -> bytes:
+        if expected is not None and expected > limit:
+            if expected <= DRAIN_LIMIT:  # read it away, so the client sees the answer rather than a reset
+                await self._drain()
+            self.close = True
+            raise api.ApiError(413, f"request body of {expected} bytes is over the limit of {limit}")
+        chunks, size = [], 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                raise ConnectionResetError("the client went away while sending its request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                self.close = True
+                raise api.ApiError(413, f"request body of over {limit} bytes is over the limit of {limit}")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _drain(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        """The status line and headers."""
+        self.responded = True
+        if self.close:
+            headers = {**headers, "Connection": "close"}
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [(name.lower().encode(), value.encode()) for name, value in headers.items()]})
+
+    async def write(self, data: bytes, *, more: bool) -> None:
+        """Body bytes; `more=False` ends the response."""
+        self.finished = self.finished or not more
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        """A whole JSON response."""
+        data = json.dumps(payload).encode()
+        await self.start(status, {**(headers or {}), "Content-Type": "application/json",
+                                  "Content-Length": str(len(data))})
+        await self.write(data, more=False)
+
+    async def watch_disconnect(self, on_gone: Callable[[], None]) -> None:
+        """Wait (as a task) until the client goes away, then call `on_gone` (after the response
+        is complete the wait ends without calling it)."""
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not self.finished:
+            self.gone = True
+            on_gone()
+
+
+class App:
+    """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
+
+    def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics,
+                 connections: Callable[[], int], max_connections: int, body_timeout: float) -> None:
+        """`connections()` counts the open connections; beyond `max_connections` a request is
+        answered 503. `body_timeout`: seconds a request body may take to arrive."""
+        self.host = host
+        self.api_key = api_key or None
+        self.model_name = model_name
+        self.metrics = metrics
+        self.connections = connections
+        self.max_connections = max_connections
+        self.body_timeout = body_timeout
+        self.started = time.time()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """ASGI: answer one HTTP request."""
+        if scope["type"] != "http":  # lifespan is off; websockets are not served
+            return
+        exchange = Exchange(scope, receive, send)
+        path = scope["path"].rstrip("/") or "/"
+        parts = path.split("/")
+        session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
+        route = "/".join(parts[:3] + ["*"] + parts[4:]) if session_id is not None else path
+        status = 500
+        try:
+            if self.connections() > self.max_connections:
+                exchange.close = True
+                raise api.ApiError(503, f"the server holds {self.max_connections} connections, its limit; retry "
+                                   "shortly (serve's --max-connections)", kind="server_error", code="overloaded")
+            handler = ROUTES.get(exchange.method, {}).get(route)
+            if handler is None:
+                raise api.ApiError(404, f"no route {exchange.method} {route}", kind="not_found_error")
+            if route != "/health":
+                self._authorize(exchange)
+            status = await getattr(self, handler)(exchange, session_id) or 200
+        except Exception as exc:  # noqa: BLE001 - every error is answered, and the server goes on
+            status, body, headers = responses.error_response(exc)
+            if exchange.gone or isinstance(exc, ConnectionResetError):
+                status = 499  # the client went away: nobody to answer
+            elif exchange.responded:
+                pass  # too late for a status: returning unfinished makes uvicorn cut the connection
+            else:
+                if status == 503:
+                    headers = {"Retry-After": "1", **(headers or {})}
+                await exchange.json(status, body, headers)
+        finally:
+            if exchange.gone:
+                status = 499
+            self.metrics.count(route, status)
+            # one line per request (the path as repr: a hostile one cannot forge log lines)
+            REQUESTS.info("%s %s %r %d %.0f ms", exchange.client, exchange.method, exchange.target[:200], status,
+                          (time.perf_counter() - exchange.arrived) * 1000)
+
+    def _authorize(self, exchange: Exchange) -> None:
+        if self.api_key is None:
+            return
+        given = exchange.headers.get("authorization", "")
+        token = given[7:] if given.startswith("Bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise api.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                               kind="authentication_error", code="invalid_api_key")
+
+    async def call(self, command: Callable, *args: Any) -> Any:
+        """Run `command(*args)` on the scheduler thread and await its result, never blocking the
+        loop (HostClosed if the scheduler stops before answering)."""
+        future = asyncio.wrap_future(self.host.submit(command, *args))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=LIVENESS_SECONDS)
+            if done:
+                return future.result()
+            if not self.host.alive():
+                future.cancel()
+                raise HostClosed("the host's scheduler stopped before answering")
+
+    async def _decoded(self, exchange: Exchange, kind: type) -> Any:
+        return api.decode(await exchange.body(MAX_BODY, self.body_timeout), kind)
+
+    # ----------------------------------------------------------------------------- routes
+
+    async def _health(self, exchange: Exchange, _: None) -> None:
+        stats = await self.call(self.host.commands.stats)
+        await exchange.json(200, {"status": "ok", "model": self.model_name, "runtime": self.host.runtime,
+                                  "kv": responses.kv_summary(stats), "generating": stats.generating,
+                                  "waiting": stats.waiting})
+
+    async def _models(self, exchange: Exchange, _: None) -> None:
+        await exchange.json(200, {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                              "created": int(self.started),
+                                                              "owned_by": "superfluid"}]})
+
+    async def _metrics(self, exchange: Exchange, _: None) -> None:
+        data = self.metrics.exposition(await self.call(self.host.commands.stats))
+        await exchange.start(200, {"Content-Type": CONTENT_TYPE, "Content-Length": str(len(data))})
+        await exchange.write(data, more=False)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise api.ApiError(404, f"the model `{model}` does not exist here; this server serves "
+                               f"`{self.model_name}` (GET /v1/models)", param="model", kind="not_found_error",
+                               code="model_not_found")
+
+    async def _chat(self, exchange: Exchange, _: None) -> None:
+        request = await self._decoded(exchange, api.ChatRequest)
+        self._check_model(request.model)
+        api.refuse_unsupported(request)
+        if not request.messages:
+            raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
+        messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
+        await completions.one_shot(self, exchange, request, request.max_completion_tokens or request.max_tokens,
+                                   chat=True, messages=messages)
+
+    async def _completions(self, exchange: Exchange, _: None) -> None:
+        request = await self._decoded(exchange, api.CompletionRequest)
+        self._check_model(request.model)
+        api.refuse_unsupported(request)
+        if not isinstance(request.prompt, str):
+            if len(request.prompt) != 1:
+                raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
+                                   param="prompt")
+            request.prompt = request.prompt[0]
+        await completions.one_shot(self, exchange, request, request.max_tokens, chat=False, text=request.prompt)
+
+    # ----------------------------------------------------------------------------- session routes
+
+    async def _session_json(self, exchange: Exchange, status: int, info) -> None:
+        await exchange.json(status, {"id": info.id, "object": "session", "tokens": info.tokens,
+                                     "messages": info.messages, "priority": info.priority,
+                                     "created": int(info.created), "parent": info.parent,
+                                     "generating": info.generating})
+
+    async def _session_create(self, exchange: Exchange, _: None) -> int:
+        request = await self._decoded(exchange, api.SessionCreate)
+        settings = sampler.Sampling(**api.sampling_of(request))
+        messages = [(_role(m), api.text_of(m)) for m in request.messages]
+        info = await self.call(_open_session, self.host.commands, request.system, settings, request.priority,
+                               messages)
+        await self._session_json(exchange, 201, info)
+        return 201
+
+    async def _session_list(self, exchange: Exchange, _: None) -> None:
+        listed = await self.call(self.host.commands.list)
+        await exchange.json(200, {"object": "list", "data": [{"id": i.id, "object": "session", "tokens": i.tokens,
+                                                              "messages": i.messages, "parent": i.parent}
+                                                             for i in listed]})
+
+    async def _session_info(self, exchange: Exchange, session_id: str) -> None:
+        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id))
+
+    async def _session_messages(self, exchange: Exchange, session_id: str) -> None:
+        request = await self._decoded(exchange, api.SessionMessages)
+        messages = [(_role(m), api.text_of(m)) for m in request.messages]
+        info = await self.call(_append_messages, self.host.commands, session_id, messages)
+        await self._session_json(exchange, 200, info)
+
+    async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
+        request = await self._decoded(exchange, api.SessionGenerate)
+        generation = await self.call(self.host.commands.generate, session_id, completions.max_tokens_of(request.max_tokens),
+                                     api.stops_of(request), None, api.sampling_of(request), False,
+                                     request.ignore_eos, request.priority, api.logprobs_of(request, chat=True))
+        await completions.answer(self, exchange, generation, request, chat=True)
+
+    async def _session_fork(self, exchange: Exchange, session_id: str) -> int:
+        commands = self.host.commands
+        info = await self.call(lambda: commands.info(commands.fork(session_id)))
+        await self._session_json(exchange, 201, info)
+        return 201
+
+    async def _session_delete(self, exchange: Exchange, session_id: str) -> None:
+        await self.call(self.host.commands.delete, session_id)
+        await exchange.json(200, {"id": session_id, "object": "session", "deleted": True})
+
+
+def _role(message: api.Message) -> str:
+    return "system" if message.role == "developer" else message.role
+
+
+def _open_session(commands, system: str | None, settings: sampler.Sampling, priority: str,
+                  messages: list[tuple[str, str]]):
+    """On the scheduler thread: a new session with its messages (none of it if one is refused)."""
+    session_id = commands.create(None, system, settings, priority)
+    try:
+        return _append_messages(commands, session_id, messages)
+    except BaseException:
+        commands.delete(session_id)
+        raise
+
+
+def _append_messages(commands, session_id: str, messages: list[tuple[str, str]]):
+    """On the scheduler thread: append `messages` to a session; its info after."""
+    for role, text in messages:
+        commands.append_message(session_id, role, text)
+    return commands.info(session_id)
+

@@ -1,0 +1,168 @@
+"""Answering with a generation: OpenAI's chat and text completion bodies, or their server-sent
+events, read from the generation without a thread.
+
+The status goes out with the first piece, so a generation refused while it waited (Overloaded,
+ContextFull) is answered with its own status, not inside a 200. A client that goes away at any
+point cancels its generation, which frees its lane at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from superfluid import api, logprobs, responses
+from superfluid.commands import OneShot
+from superfluid.errors import GenerationTimeout, HostClosed, SessionNotFound
+
+if TYPE_CHECKING:
+    from superfluid.app import App, Exchange
+    from superfluid.session import Generation, Piece
+
+DEFAULT_MAX_TOKENS = 256
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
+
+
+def max_tokens_of(value: int | None) -> int:
+    """A request's max_tokens (the default when absent); ApiError below 1."""
+    value = DEFAULT_MAX_TOKENS if value is None else value
+    if value < 1:
+        raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+    return value
+
+
+async def one_shot(app: App, exchange: Exchange, request, max_tokens: int | None, *, chat: bool,
+                   messages: tuple = (), text: str | None = None) -> None:
+    """A request's own session: opened, filled and started in one scheduler command (a busy
+    engine answers commands between steps, so one wait instead of one per message), answered,
+    then retired into the pool for later requests with the same prefix."""
+    shot = OneShot(api.sampling_of(request), messages, text, max_tokens_of(max_tokens), tuple(api.stops_of(request)),
+                   request.ignore_eos, request.priority, api.logprobs_of(request, chat=chat))
+    session_id, generation = await app.call(app.host.commands.start_one_shot, shot)
+    try:
+        await answer(app, exchange, generation, request, chat)
+    finally:
+        try:
+            await app.call(app.host.commands.retire, session_id)
+        except (HostClosed, SessionNotFound):
+            pass  # the host closed under it (its close parked the lane), or a client deleted it
+
+
+async def answer(app: App, exchange: Exchange, generation: Generation, request, chat: bool) -> None:
+    """Answer with `generation`: one JSON body, or server-sent events."""
+    watcher = asyncio.create_task(exchange.watch_disconnect(generation.cancel))
+    try:
+        pieces = _timed(app, generation, exchange.arrived)
+        try:
+            first = await anext(pieces, None)
+        except GenerationTimeout:
+            first = None  # nothing produced in time: answered with finish_reason "length"
+        except BaseException:
+            generation.cancel()
+            raise
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": app.model_name}
+        try:
+            if request.stream:
+                await _events(exchange, _chunks(generation, first, pieces, base, chat, request))
+            else:
+                await _whole(exchange, generation, first, pieces, base, chat, request)
+        finally:
+            if first is not None:
+                app.metrics.latency(time.perf_counter() - exchange.arrived)
+    finally:
+        watcher.cancel()
+
+
+async def _timed(app: App, generation: Generation, started: float) -> AsyncIterator[Piece]:
+    """The generation's pieces, observing the time to the first token and between output tokens."""
+    last = None
+    async for piece in generation:
+        if piece.token >= 0:  # a new token (-1: held-back text at the end)
+            now = time.perf_counter()
+            if last is None:
+                app.metrics.first_token(now - started)
+            else:
+                app.metrics.output_token(now - last)
+            last = now
+        yield piece
+
+
+async def _whole(exchange: Exchange, generation: Generation, first: Piece | None, pieces: AsyncIterator[Piece],
+                 base: dict, chat: bool, request) -> None:
+    scored = [first.logprobs] if first is not None and first.logprobs is not None else []
+    try:
+        async for piece in pieces:
+            if piece.logprobs is not None:
+                scored.append(piece.logprobs)
+    except GenerationTimeout:
+        pass  # what it produced is answered (its logprobs too), with finish_reason "length"
+    text = generation.text
+    reason = FINISH.get(generation.finish_reason or "stop", "stop")
+    wanted = api.logprobs_of(request, chat=chat) is not None
+    shown = (logprobs.chat(scored) if chat else logprobs.completion(scored)) if wanted else None
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+               "logprobs": shown} if chat else
+              {"index": 0, "text": text, "finish_reason": reason, "logprobs": shown})
+    await exchange.json(200, {**base, "choices": [choice], "usage": responses.usage(generation)})
+
+
+async def _chunks(generation: Generation, first: Piece | None, pieces: AsyncIterator[Piece], base: dict,
+                  chat: bool, request) -> AsyncIterator[dict]:
+    """The stream's chunks: the role (chat), one per piece with text, the finish, the usage."""
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    wanted = api.logprobs_of(request, chat=chat) is not None
+    sent = 0  # characters streamed so far (completions' text offsets)
+
+    def shown(scored: list) -> dict:
+        # a token's logprobs go out with the first chunk that carries its text (or the last)
+        if not wanted:
+            return {}
+        return {"logprobs": logprobs.chat(scored) if chat else logprobs.completion(scored, sent)}
+
+    if chat:
+        yield {**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None}]}
+    pending = []
+    async for piece in _every_piece(first, pieces):
+        if piece.logprobs is not None:
+            pending.append(piece.logprobs)
+        if piece.text:
+            delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+            yield {**base, "object": kind, "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}
+            sent, pending = sent + len(piece.text), []
+    reason = FINISH.get(generation.finish_reason or "stop", "stop")
+    last = {"delta": {}} if chat else {"text": ""}
+    yield {**base, "object": kind, "choices": [{"index": 0, **last, **(shown(pending) if pending else {}),
+                                                 "finish_reason": reason}]}
+    if include_usage:
+        yield {**base, "object": kind, "choices": [], "usage": responses.usage(generation)}
+
+
+async def _every_piece(first: Piece | None, pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    if first is not None:
+        yield first
+    try:
+        async for piece in pieces:
+            yield piece
+    except GenerationTimeout:
+        pass  # what it produced was streamed; it ends with finish_reason "length"
+
+
+async def _events(exchange: Exchange, chunks: AsyncIterator[dict]) -> None:
+    """Server-sent events, one JSON chunk each, then [DONE]. An error after the stream began goes
+    out as an error event (OpenAI's clients raise it as an API error), then [DONE]: never as a
+    second response inside the first."""
+    await exchange.start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        async for chunk in chunks:
+            await exchange.write(f"data: {json.dumps(chunk)}\n\n".encode(), more=True)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the client must hear of it in the stream
+        await exchange.write(f"data: {json.dumps(responses.error_event(exc))}\n\n".encode(), more=True)
+    await exchange.write(b"data: [DONE]\n\n", more=False)
