@@ -25,12 +25,13 @@ from typing import Any
 
 from superfluid import api, completions, responses
 from superfluid import sampling as sampler
+from superfluid.connections import OVER_CAPACITY
 from superfluid.errors import HostClosed
 from superfluid.metrics import CONTENT_TYPE, Metrics
 from superfluid.session import LIVENESS_SECONDS
 
 MAX_BODY = 1 << 20  # bytes of request body
-DRAIN_LIMIT = 16 << 20  # an oversized body up to this is read away before the 413; a larger one is cut off
+DRAIN_LIMIT = 16 << 20  # an unread body up to this is read away before the answer; a larger one is cut off
 # Routes by method: path pattern (a session id is *) -> the App method that answers it. The
 # metrics' route label is one of these patterns, or "other".
 ROUTES = {
@@ -42,19 +43,24 @@ ROUTES = {
     "DELETE": {"/v1/sessions/*": "_session_delete"},
 }
 REQUESTS = logging.getLogger("superfluid.requests")
+BODY_DISCARD_SECONDS = 5.0  # a body answered without being read (an error, a route that takes none) is read away this long
 
 
 class Exchange:
     """One request and its response: the ASGI receive and send, with what was sent so far."""
 
     def __init__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """The request `scope` uvicorn parsed, and its receive and send callables."""
         self.method: str = scope["method"]
         self.target = scope["raw_path"].decode("latin-1") + (f"?{scope['query_string'].decode('latin-1')}"
                                                              if scope["query_string"] else "")
         self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         self.client = (scope.get("client") or ("-", 0))[0]
+        self.over_capacity = bool(scope.get("state", {}).get(OVER_CAPACITY))
         self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.receive, self._send = receive, send
+        # h11 has checked the framing: a body is declared by a length or by chunked encoding
+        self.consumed = int(self.headers.get("content-length", "0")) == 0 and "transfer-encoding" not in self.headers
         self.responded = False  # a status went out: an error may not send another
         self.close = False  # answer with Connection: close (the connection cannot carry another request)
         self.gone = False  # the client went away
@@ -63,24 +69,17 @@ class Exchange:
     async def body(self, limit: int, timeout: float) -> bytes:
         """The request body (ApiError 413 over `limit` bytes, 408 when it is not all in within
         `timeout` seconds)."""
-        declared = self.headers.get("content-length")
         try:
-            expected = int(declared) if declared is not None else None
-        except ValueError:
-            raise api.ApiError(400, "Content-Length is not a number") from None
-        try:
-            return await asyncio.wait_for(self._read(limit, expected), timeout)
+            return await asyncio.wait_for(self._read(limit), timeout)
         except TimeoutError:
             self.close = True  # the rest may still come: it must not be taken for the next request
             raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s",
                                code="request_timeout") from None
 
-    async def _read(self, limit: int, expected: int | None) -> bytes:
-        if expected is not None and expected > limit:
-            if expected <= DRAIN_LIMIT:  # read it away, so the client sees the answer rather than a reset
-                await self._drain()
-            self.close = True
-            raise api.ApiError(413, f"request body of {expected} bytes is over the limit of {limit}")
+    async def _read(self, limit: int) -> bytes:
+        declared = self.headers.get("content-length")
+        if declared is not None and int(declared) > limit:  # read away (or cut off) when the 413 starts
+            raise api.ApiError(413, f"request body of {declared} bytes is over the limit of {limit}")
         chunks, size = [], 0
         while True:
             message = await self.receive()
@@ -90,22 +89,41 @@ class Exchange:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                self.close = True
                 raise api.ApiError(413, f"request body of over {limit} bytes is over the limit of {limit}")
             chunks.append(chunk)
             if not message.get("more_body", False):
+                self.consumed = True
                 return b"".join(chunks)
 
-    async def _drain(self) -> None:
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
-                return
+    async def _discard(self, timeout: float) -> None:
+        """Read away a body nobody needs before answering (a client still sending it would see
+        a reset instead of the answer), up to DRAIN_LIMIT bytes; else the connection closes."""
+        declared = int(self.headers.get("content-length", "-1"))
+        if "100-continue" in self.headers.get("expect", "").lower() or declared > DRAIN_LIMIT:
+            self.close = True  # not sent yet (it waits for our go-ahead), or too much to read
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                size = 0
+                while size <= DRAIN_LIMIT:
+                    message = await self.receive()
+                    if message["type"] == "http.disconnect":
+                        self.gone = True
+                        return
+                    size += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        self.consumed = True
+                        return
+        except TimeoutError:
+            pass
+        self.close = True
 
     async def start(self, status: int, headers: dict[str, str]) -> None:
-        """The status line and headers."""
+        """The status line and headers (after reading away a request body nobody read)."""
+        if not self.consumed and not self.close:
+            await self._discard(BODY_DISCARD_SECONDS)
         self.responded = True
-        if self.close:
+        if self.close or not self.consumed:
             headers = {**headers, "Connection": "close"}
         await self._send({"type": "http.response.start", "status": status,
                           "headers": [(name.lower().encode(), value.encode()) for name, value in headers.items()]})
@@ -138,14 +156,13 @@ class App:
     """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
 
     def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics,
-                 connections: Callable[[], int], max_connections: int, body_timeout: float) -> None:
-        """`connections()` counts the open connections; beyond `max_connections` a request is
-        answered 503. `body_timeout`: seconds a request body may take to arrive."""
+                 max_connections: int, body_timeout: float) -> None:
+        """`max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
+        seconds a request body may take to arrive."""
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name
         self.metrics = metrics
-        self.connections = connections
         self.max_connections = max_connections
         self.body_timeout = body_timeout
         self.started = time.time()
@@ -161,12 +178,16 @@ class App:
         route = "/".join(parts[:3] + ["*"] + parts[4:]) if session_id is not None else path
         status = 500
         try:
-            if self.connections() > self.max_connections:
+            if exchange.over_capacity:
                 exchange.close = True
                 raise api.ApiError(503, f"the server holds {self.max_connections} connections, its limit; retry "
                                    "shortly (serve's --max-connections)", kind="server_error", code="overloaded")
             handler = ROUTES.get(exchange.method, {}).get(route)
             if handler is None:
+                allowed = [method for method, table in ROUTES.items() if route in table]
+                if allowed:
+                    raise api.ApiError(405, f"{route} takes {' or '.join(allowed)}, not {exchange.method}",
+                                       kind="invalid_request_error")
                 raise api.ApiError(404, f"no route {exchange.method} {route}", kind="not_found_error")
             if route != "/health":
                 self._authorize(exchange)

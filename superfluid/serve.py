@@ -23,12 +23,17 @@ from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
 from superfluid.errors import LogBusy
 from superfluid.host import DEFAULT_POOL_BYTES, Host
 from superfluid.responses import kv_summary
-from superfluid.server import BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server, model_name_of
+from superfluid.connections import REFUSING_ROOM
+from superfluid.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server,
+                               model_name_of)
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # Ctrl-C before serving began, as shells report SIGINT
 LOG_LEVELS = ("debug", "info", "warning", "error")
-FILES_BESIDE_CONNECTIONS = 256  # open files the process needs besides its connections
+# Open files the process needs besides the connections it serves: connections the kernel queued
+# and the event loop accepts at once (the listen backlog), those beyond the cap being refused, and
+# the model, the log, the pool and the libraries.
+FILES_BESIDE_CONNECTIONS = BACKLOG + REFUSING_ROOM + 256
 
 
 # What serve changes of the runtimes' own defaults (the library's Host keeps them for exactness):
@@ -171,8 +176,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
         # uvicorn's own lines (started, shutting down, waiting for connections) say nothing serve
-        # does not; its warnings and errors still show
-        logging.getLogger("uvicorn").setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)
+        # does not; nor its warnings about each malformed request (a 400 it answered). Its errors show.
+        logging.getLogger("uvicorn").setLevel(logging.DEBUG if args.log_level == "debug" else logging.ERROR)
         if rest:
             raise UsageError(f"unrecognized arguments: {' '.join(rest)}")
         model = Path(args.model) if args.model else models.default_model(progress=lambda m: print(m, flush=True))
@@ -208,8 +213,8 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
     allowed = open_file_limit(args.max_connections)
     if allowed < args.max_connections:
         logging.getLogger(__name__).warning("--max-connections %d: this process may open only %d files (ulimit -n); "
-                                            "serving at most %d connections", args.max_connections,
-                                            allowed + FILES_BESIDE_CONNECTIONS, allowed)
+                                            "serving at most %d connections", args.max_connections, files_allowed(),
+                                            allowed)
     try:
         return Server(None, (args.host, args.port), api_key=args.api_key,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
@@ -253,11 +258,15 @@ def _serve(server: Server, runtime: str) -> int:
     """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.server)."""
     host = server.host
     kv = kv_summary(host.stats())
-    print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
-    print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each; pool export budget "
-          f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool", flush=True)
+
+    def serving() -> None:  # once requests are answered and SIGTERM stops it gracefully
+        print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
+        print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each; pool export budget "
+              f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool",
+              flush=True)
+
     try:
-        server.run()
+        server.run(on_serving=serving)
     finally:
         host.close()  # run() closed it on the way out; this covers a server that failed to start
     print("superfluid: stopped", flush=True)
@@ -266,12 +275,22 @@ def _serve(server: Server, runtime: str) -> int:
 
 def open_file_limit(connections: int) -> int:
     """Raise this process's limit on open files toward what `connections` sockets need (each is
-    a file; the model, the log and the pool take some more); the connections it allows."""
+    a file; the backlog of connections not yet accepted, the model, the log and the pool take
+    more); the connections that limit allows."""
     needed = connections + FILES_BESIDE_CONNECTIONS
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
-        soft = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass  # a kernel ceiling below the hard limit (macOS): keep what we have
     if soft == resource.RLIM_INFINITY:
         return connections
     return max(min(connections, soft - FILES_BESIDE_CONNECTIONS), 1)
+
+
+def files_allowed() -> int:
+    """This process's limit on open files (its soft limit)."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -38,6 +38,9 @@ MAX_CONNECTIONS = 2048  # open connections; beyond them a request is answered 50
 # Connections waiting to be accepted: a burst of clients connecting at once overflows a short
 # queue, and the kernel then drops or resets some of their connections.
 BACKLOG = 1024
+# Seconds a stop waits for responses after the host closed (their generations have ended by then;
+# what is left is a client that does not read what it was sent): then their connections are cut.
+STOP_TIMEOUT = 30.0
 LOG = logging.getLogger(__name__)
 
 
@@ -58,6 +61,7 @@ class Server:
         family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
         self.socket = socket.create_server(address, family=family, backlog=BACKLOG)
         self._uvicorn: _Uvicorn | None = None
+        self._stop_asked = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -70,23 +74,28 @@ class Server:
         host, port = self.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
-    def run(self) -> None:
+    def run(self, on_serving: Callable[[], None] = lambda: None) -> None:
         """Serve until `stop()`, SIGTERM or SIGINT (signals when called on the main thread), then
-        stop gracefully (the host is closed on the way). Blocks."""
+        stop gracefully (the host is closed on the way). `on_serving` is called once requests are
+        answered and the signals are handled. Blocks."""
         app = App(self.host, api_key=self.api_key, model_name=self.model_name, metrics=self.metrics,
-                  connections=lambda: len(self._uvicorn.server_state.connections),
                   max_connections=self.max_connections, body_timeout=self.body_timeout)
-        config = ServerConfig(app, header_timeout=self.header_timeout, timeout_keep_alive=self.keep_alive_timeout,
+        # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any loopback client
+        # as the client's address (the request log's first field)
+        config = ServerConfig(app, header_timeout=self.header_timeout, max_connections=self.max_connections,
+                              timeout_keep_alive=self.keep_alive_timeout, timeout_graceful_shutdown=STOP_TIMEOUT,
                               lifespan="off", log_config=None, access_log=False, server_header=False,
-                              backlog=BACKLOG, ws="none")
-        self._uvicorn = _Uvicorn(config, before_drain=self.host.close)
+                              proxy_headers=False, backlog=BACKLOG, ws="none")
+        self._uvicorn = _Uvicorn(config, before_drain=self.host.close, on_serving=on_serving)
+        self._uvicorn.should_exit = self._stop_asked
         try:
             self._uvicorn.run(sockets=[self.socket])
         finally:
             self.close()
 
     def stop(self) -> None:
-        """Begin a graceful stop (safe from any thread or a signal handler)."""
+        """Begin a graceful stop (safe from any thread or a signal handler; before `run()` too)."""
+        self._stop_asked = True
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
 
@@ -99,9 +108,10 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn's server that closes the host between refusing new work and waiting for the
     responses in flight, and that leaves the process's exit to its caller after a signal."""
 
-    def __init__(self, config: uvicorn.Config, *, before_drain: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, *, before_drain: Callable[[], None],
+                 on_serving: Callable[[], None]) -> None:
         super().__init__(config)
-        self.before_drain = before_drain
+        self.before_drain, self.on_serving = before_drain, on_serving
 
     def handle_exit(self, sig: int, frame) -> None:
         """SIGTERM or SIGINT: stop gracefully; a second SIGINT: stop now. (uvicorn's own also
@@ -112,16 +122,25 @@ class _Uvicorn(uvicorn.Server):
         else:
             self.should_exit = True
 
+    async def startup(self, sockets=None) -> None:
+        """Start answering (signals are handled from here on), then say so."""
+        await super().startup(sockets)
+        if self.started:
+            self.on_serving()
+
     async def shutdown(self, sockets=None) -> None:
-        """Refuse new connections and close idle ones (uvicorn's first steps), close the host so
-        that running generations end, then wait for their responses to finish."""
-        draining = asyncio.create_task(super().shutdown(sockets))
-        await asyncio.sleep(0)  # uvicorn stops accepting and closes idle connections before its first wait
+        """Refuse new connections and close idle ones, close the host so that running
+        generations end (their streams finish), then wait for their responses (uvicorn's
+        shutdown, whose first steps are the same and find them done)."""
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # idle: closed now; busy: closed after its response
         try:
             await asyncio.to_thread(self.before_drain)
         except Exception:  # noqa: BLE001 - the responses in flight are still owed their ends
             LOG.exception("closing the host failed")
-        await draining
+        await super().shutdown(sockets)
 
 
 def model_name_of(path: str | Path) -> str:

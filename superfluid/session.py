@@ -119,6 +119,8 @@ class Generation:
         return self
 
     async def __anext__(self) -> Piece:
+        if self._wake is None:  # read without `async for`
+            self.__aiter__()
         while True:
             # cleared before looking, so a piece put after the look still wakes the wait below
             self._arrived.clear()
@@ -126,7 +128,8 @@ class Generation:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 try:
-                    await asyncio.wait_for(self._arrived.wait(), LIVENESS_SECONDS)
+                    async with asyncio.timeout(LIVENESS_SECONDS):
+                        await self._arrived.wait()
                 except TimeoutError:
                     self._check_alive()
                 continue

@@ -139,10 +139,13 @@ def test_a_body_that_does_not_arrive_is_answered_408(served):
     assert "did not arrive" in json.loads(body)["error"]["message"]
 
 
-def test_beyond_the_connection_limit_a_request_is_answered_503_and_its_connection_closed(tiny_models, tmp_path):
+def test_connections_beyond_the_limit_are_answered_503_and_those_within_it_go_on(tiny_models, tmp_path):
     server = Served(tiny_models["f32"].gguf, tmp_path, "--max-connections", "4")
     try:
-        held = half_open(server.address, 4)
+        kept = http.client.HTTPConnection(*server.address, timeout=30)  # within the limit, kept alive
+        kept.request("GET", "/v1/models")
+        assert kept.getresponse().read() and kept.sock is not None
+        held = half_open(server.address, 3)  # four open now: the limit
         try:
             connection = http.client.HTTPConnection(*server.address, timeout=30)
             connection.request("GET", "/v1/models")
@@ -152,15 +155,49 @@ def test_beyond_the_connection_limit_a_request_is_answered_503_and_its_connectio
             assert response.getheader("Connection") == "close"
             assert "--max-connections" in body["error"]["message"] and body["error"]["code"] == "overloaded"
             connection.close()
+            kept.request("GET", "/v1/models")  # a connection within the limit is still served
+            assert kept.getresponse().status == 200
         finally:
             for connection in held:
                 connection.close()
+            kept.close()
         deadline = time.monotonic() + 30  # the server hears of the closes asynchronously
         while (status := server.raw("GET", "/v1/models")[0]) == 503 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert status == 200
     finally:
         assert server.stop() == 0
+
+
+def test_an_answer_given_before_the_body_arrived_reads_it_away_or_closes(served):
+    # a whole body the route never reads: read away, and the connection carries the next request
+    connection = http.client.HTTPConnection(*served.address, timeout=30)
+    connection.request("POST", "/v1/nowhere", body=b"x" * 5000)
+    response = connection.getresponse()
+    assert response.status == 404 and response.getheader("Connection") != "close"
+    response.read()
+    connection.request("GET", "/v1/models")
+    assert connection.getresponse().status == 200
+    connection.close()
+    # a body that never comes: answered, then the connection closed (what still arrives is not a request)
+    raw = socket.create_connection(served.address, timeout=60)
+    raw.sendall(b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly some")
+    reply = b""
+    while chunk := raw.recv(4096):
+        reply += chunk
+    raw.close()
+    assert reply.startswith(b"HTTP/1.1 404") and b"connection: close" in reply.lower()
+
+
+def test_a_route_asked_with_the_wrong_method_is_a_405_naming_the_right_one(served):
+    status, data = served.raw("DELETE", "/v1/chat/completions")
+    assert status == 405 and "takes POST" in json.loads(data)["error"]["message"]
+
+
+def test_sigterm_right_after_the_serving_line_is_a_clean_stop(tiny_models, tmp_path):
+    server = Served(tiny_models["f32"].gguf, tmp_path)
+    assert server.stop() == 0
+    assert "superfluid: stopped" in server.process.stdout.read()
 
 
 def test_a_client_that_leaves_before_a_whole_reply_frees_its_lane(served):
