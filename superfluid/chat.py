@@ -86,6 +86,11 @@ class ChatTemplate:
             raise ChatError(f"the model's chat template does not parse: {exc}") from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The text of the special tokens the template is rendered with (bos_token, eos_token)."""
+        return dict(self._tokens)
+
     def render(self, messages: Sequence[dict], generation_prompt: bool = False) -> str:
         """The conversation as text, ending with the assistant's opening when `generation_prompt`."""
         for message in messages:
@@ -99,7 +104,10 @@ class ChatTemplate:
 
     def turn(self, messages: Sequence[dict], message: dict) -> str:
         """The text `message` adds after `messages`."""
-        return self._difference(self.render(messages), self.render([*messages, message]))
+        # Before the first message nothing is rendered yet; and real templates cannot render an
+        # empty conversation (Llama 3's and Qwen's read messages[0]).
+        before = self.render(messages) if messages else ""
+        return self._difference(before, self.render([*messages, message]))
 
     def opening(self, messages: Sequence[dict]) -> str:
         """The text that opens the assistant's turn after `messages`."""

@@ -59,7 +59,8 @@ class Commands:
             raise SessionBusy(f"session {session_id!r} is generating; wait for it to finish or cancel it first")
         return live
 
-    def _template(self) -> ChatTemplate:
+    def template(self) -> ChatTemplate:
+        """The model's chat template, with the text of its special tokens (made on first use)."""
         if self._chat is None:
             info = self.descriptor
             special = lambda token: self.engine.detokenize([token]).decode(errors="replace") if token is not None else ""  # noqa: E731
@@ -123,7 +124,7 @@ class Commands:
         live = self._live(session_id, idle=True)
         message = {"role": role, "content": content}
         try:
-            text = self._template().turn(live.state.messages, message)
+            text = self.template().turn(live.state.messages, message)
         except TemplateRewrites:
             self._rerender(live, message)
             return
@@ -137,7 +138,7 @@ class Commands:
         Raw tokens appended between messages are not part of any rendering, so they go too."""
         state = live.state
         messages = [*state.messages, message]
-        tokens = self.engine.tokenize(self._template().render(messages), special=True)
+        tokens = self.engine.tokenize(self.template().render(messages), special=True)
         keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
                                                                                              len(state.tokens)))
         records = []
@@ -190,7 +191,7 @@ class Commands:
                                        **overrides})
         opening = []
         if live.state.messages:
-            opening = self.engine.tokenize(self._template().opening(live.state.messages), special=True)
+            opening = self.engine.tokenize(self.template().opening(live.state.messages), special=True)
         total, limit = len(live.state.tokens) + len(opening), self.scheduler.context_limit()
         if not total:
             raise SuperfluidError(f"session {session_id!r} holds no tokens to generate from; append a message or text")
@@ -238,7 +239,7 @@ class Commands:
         ended = bool(produced) and produced[-1] in eos
         reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
         try:
-            closing = self._template().closing(live.state.messages, reply)
+            closing = self.template().closing(live.state.messages, reply)
         except TemplateRewrites:  # the reply renders otherwise than it was written (a template that
             # strips reasoning, or trims the reply): the session takes what the template renders
             self._rerender(live, {"role": "assistant", "content": job.stream.text})

@@ -8,6 +8,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from superfluid.chat import CHATML, ChatTemplate
 from superfluid.errors import ChatError
+from tests import realtemplates
 
 CONVERSATION = [{"role": "system", "content": "Answer in one line. Ünïcödé & <tags> 'quoted'."},
                 {"role": "user", "content": "What is the capital of France?"},
@@ -63,6 +64,47 @@ def test_the_templates_llama_cpp_python_ships_and_chatml_render_alike():
             messages = CONVERSATION if "MISTRAL" not in name and "MIXTRAL" not in name else CONVERSATION[1:]
             ours = ChatTemplate(source, **TOKENS).render(messages, generation_prompt)
             assert ours == transformers_render(source, messages, generation_prompt), name
+
+
+REAL_CONVERSATIONS = {
+    "system and two turns": CONVERSATION,
+    "one user message": CONVERSATION[1:2],
+    "a reply with its reasoning": [{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "<think>\nThey greet me.\n</think>\n\nHello!"},
+                                   {"role": "user", "content": "Bye"}],
+}
+
+
+def rendered_alike(source: str, messages: list, generation_prompt: bool) -> tuple[str, str]:
+    """(ours, transformers') for one conversation; when the template reads the clock, ours is
+    rendered before and after theirs and the one of the same day is returned (no test may fail
+    because it ran across midnight). Where transformers' raises, ours must raise the same."""
+    template = ChatTemplate(source, **TOKENS)
+    try:
+        theirs = transformers_render(source, messages, generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
+        with pytest.raises(ChatError) as ours:
+            template.render(messages, generation_prompt)
+        assert str(exc) in str(ours.value)
+        return str(exc), str(exc)
+    before = template.render(messages, generation_prompt)
+    after = template.render(messages, generation_prompt) if before != theirs else before
+    return (after if after == theirs else before), theirs
+
+
+@pytest.mark.parametrize("model", sorted(realtemplates.TEMPLATE_FILES) + sorted(realtemplates.TEMPLATE_TEST_ENTRIES))
+def test_real_models_templates_render_as_transformers_renders_them(model):
+    source = realtemplates.from_llama_cpp()[model]
+    for name, messages in REAL_CONVERSATIONS.items():
+        for generation_prompt in (False, True):
+            ours, theirs = rendered_alike(source, messages, generation_prompt)
+            assert ours == theirs, f"{model}, {name}, generation prompt {generation_prompt}"
+
+
+def test_a_template_that_refuses_a_conversation_is_a_chat_error_with_its_words():
+    source = realtemplates.from_llama_cpp()["Gemma 2"]  # no system role in Gemma 2's template
+    ours, theirs = rendered_alike(source, CONVERSATION, True)
+    assert ours == theirs and "System role not supported" in ours
 
 
 def test_raise_exception_is_a_chat_error_naming_the_templates_message():
@@ -151,3 +193,26 @@ def test_a_reply_the_template_renders_otherwise_is_rerendered_when_its_turn_clos
     assert session.tokens == whole  # the session holds what the template renders, not the raw reply
     session.append_user("again")  # and grows from there
     assert session.messages[-1] == {"role": "user", "content": "again"}
+
+
+@pytest.mark.parametrize("model", ["Llama 3.1", "Qwen 2.5", "Qwen 3", "Mistral Nemo", "Phi 4", "Gemma 2"])
+def test_a_conversation_on_a_real_template_holds_what_transformers_renders(template_host, model):
+    """Turns appended one at a time and a generated reply: the session's text is what
+    transformers renders for the whole conversation (a template that rewrites a past turn, as
+    Qwen 3's drops past reasoning, is rendered whole and the common prefix kept)."""
+    source = realtemplates.from_llama_cpp()[model]
+    host = template_host(source)
+    tokens = host.call(lambda: host.commands.template().special_tokens)
+    for name, messages in REAL_CONVERSATIONS.items():
+        if model == "Gemma 2" and messages[0]["role"] == "system":
+            continue  # its template refuses a system message (tested above)
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        session = host.session(system=system)
+        for message in messages[1:] if system else messages:
+            session.append_message(message["role"], message["content"])
+        reply = session.complete(max_tokens=4, ignore_eos=True)
+        whole = [*messages, {"role": "assistant", "content": reply}]
+        assert session.messages == whole, (model, name)
+        ours = session.detokenize(session.tokens)
+        theirs, _ = render_jinja_template([whole], chat_template=source, add_generation_prompt=False, **tokens)
+        assert ours == theirs[0], (model, name)
