@@ -256,6 +256,7 @@ def test_a_conversation_resumes_after_the_server_is_killed_and_restarted(tiny_mo
         finally:
             assert again.stop() == 0
     finally:
+        server.stop()  # ended in the test; if it failed before, the server must not outlive it
         remove_segment(pool)
 
 
@@ -295,6 +296,7 @@ def test_sigterm_mid_stream_parks_the_lane_and_a_restart_resumes_it_warm(tiny_mo
         finally:
             assert again.stop() == 0
     finally:
+        server.stop()  # ended in the test; if it failed before, the server must not outlive it
         remove_segment(pool)
 
 
