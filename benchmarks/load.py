@@ -1,13 +1,15 @@
-"""More work than the engine holds: `superfluid serve` against llama-cpp-python's server, each
-driven with the openai client in its own child process, one after the other, both on 4,096 cells.
+"""More work than the engine holds: `superfluid serve` against llama-cpp-python's server (both on
+4,096 cells) and llama.cpp's llama-server (its defaults: 4 slots sharing 8,192 cells; and 8
+slots), each driven with the openai client in its own child process, one after the other.
 
 1. idle sessions: decode tokens/s of a short request on an empty server, and again once
    `sessions` others have each run a long turn and gone idle (ours: session routes, so the
    sessions live on; theirs: completions). Ours parks idle KV out of the engine: goal >= 0.9.
 2. agents and a chat: a one-line chat's time to first token on the idle server, and while
    `agents` requests with long prompts are being served (ours: the chat asks for priority
-   "interactive"; theirs serves one request at a time). Goal: at most 2x idle, read as
-   idle / loaded >= 0.5.
+   "interactive"; llama-cpp-python's serves one request at a time, llama-server one per slot).
+   Goal: at most 2x idle, read as idle / loaded >= 0.5; and ahead of the others. How many agents
+   finished is noted.
 3. clients at once: `clients` streamed chats with long prompts sent together; how many were
    served, refused before their stream (503) or failed otherwise, and the time until the last.
 
@@ -35,6 +37,7 @@ from benchmarks.harness import Run  # noqa: E402
 from benchmarks.texts import text_of  # noqa: E402
 
 GROUP = "under load: ours against llama-cpp-python's server"
+PEER_GROUP = servers.PEER_GROUP
 N_CTX = 4096
 CHATS = ["What is the capital of France?", "Which river runs through Rome?", "How many legs has a spider?",
          "Where is Mount Fuji?", "What colour is the sky?", "Who wrote Hamlet?"]
@@ -98,9 +101,16 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
     """A chat's first token idle, then behind `agents` long requests."""
     idle = [first_token(served, f"Be brief, {i}.", CHATS[i % len(CHATS)]) for i in range(sizes.chats)]
 
+    finished = []
+
     def agent(i: int) -> None:
-        served.client.chat.completions.create(model=served.model, max_tokens=16, messages=[
-            {"role": "system", "content": text_of(sizes.agent_tokens, salt=i)}, {"role": "user", "content": "Sum up."}])
+        try:
+            reply = served.client.chat.completions.create(model=served.model, max_tokens=16, messages=[
+                {"role": "system", "content": text_of(sizes.agent_tokens, salt=i)},
+                {"role": "user", "content": "Sum up."}])
+        except openai.APIError:
+            return  # not finished: counted below
+        finished.append(bool(reply.choices and reply.choices[0].finish_reason))
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(sizes.agents)]
     for thread in threads:
@@ -111,6 +121,7 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
         thread.join()
     run.record(f"{served.label}: chat first token, idle", idle)
     run.record(f"{served.label}: chat first token behind {sizes.agents} agents", loaded)
+    run.note(f"{served.label}: agents finished of {sizes.agents}", sum(finished))
 
 
 def clients_at_once(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
@@ -142,7 +153,9 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
     """The three shapes on each server, then the ratios."""
     with tempfile.TemporaryDirectory() as scratch:
         for start in (lambda: servers.start_ours(model, N_CTX, scratch),
-                      lambda: servers.start_theirs(model, N_CTX, cache=False)):
+                      lambda: servers.start_theirs(model, N_CTX, cache=False),
+                      lambda: servers.start_peer(model, servers.PEER_CONTEXT),
+                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, slots=8)):
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
@@ -160,19 +173,23 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
                 tick(f"{served.label}: {sizes.clients} clients")
             finally:
                 served.stop()
-    for side in (servers.OURS, servers.THEIRS):
+    for side in (servers.OURS, servers.THEIRS, *servers.PEERS):
         run.ratio(f"{side}: decode beside {sizes.sessions} idle sessions / empty",
                   ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
-                  baseline=f"{side}: decode tokens/s, empty", group=GROUP, goal=0.9 if side == servers.OURS else None)
+                  baseline=f"{side}: decode tokens/s, empty", group=GROUP if side in (servers.OURS, servers.THEIRS)
+                  else PEER_GROUP, goal=0.9 if side == servers.OURS else None)
         run.ratio(f"{side}: chat first token, idle / behind {sizes.agents} agents",
                   ours=f"{side}: chat first token behind {sizes.agents} agents",
-                  baseline=f"{side}: chat first token, idle", group=GROUP, goal=0.5 if side == servers.OURS else None)
-    run.ratio(f"chat first token behind {sizes.agents} agents: theirs / ours",
-              ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
-              baseline=f"{servers.THEIRS}: chat first token behind {sizes.agents} agents", group=GROUP, goal=1)
-    run.ratio(f"{sizes.clients} clients at once, served: ours / theirs",
-              ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
-              baseline=f"{servers.THEIRS}: {sizes.clients} clients at once, served", group=GROUP, goal=1)
+                  baseline=f"{side}: chat first token, idle", group=GROUP if side in (servers.OURS, servers.THEIRS)
+                  else PEER_GROUP, goal=0.5 if side == servers.OURS else None)
+    for theirs, group in ((servers.THEIRS, GROUP), *((peer, PEER_GROUP) for peer in servers.PEERS)):
+        name = "theirs" if theirs == servers.THEIRS else theirs
+        run.ratio(f"chat first token behind {sizes.agents} agents: {name} / ours",
+                  ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
+                  baseline=f"{theirs}: chat first token behind {sizes.agents} agents", group=group, goal=1)
+        run.ratio(f"{sizes.clients} clients at once, served: ours / {name}",
+                  ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
+                  baseline=f"{theirs}: {sizes.clients} clients at once, served", group=group, goal=1)
 
 
 def main(argv: list[str] | None = None) -> int:

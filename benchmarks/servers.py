@@ -1,19 +1,27 @@
-"""`superfluid serve` against llama-cpp-python's own server, both driven with the openai client.
+"""`superfluid serve` against llama-cpp-python's own server and llama.cpp's llama-server, all driven
+with the openai client.
 
-Both serve the same GGUF through llama.cpp on 2 threads, one server at a time (the machine's two
+All serve the same GGUF through llama.cpp on 2 threads, one server at a time (the machine's two
 cores go to whichever runs), each in a child process this module starts and stops:
 
 - a shared-prefix burst: many completion requests at once, each a long shared prefix plus its
-  own question; the prompt tokens each server evaluated (ours from /metrics, theirs counted by
-  benchmarks/llama_server.py) and the time until the last answer;
+  own question; the prompt tokens each server evaluated (ours from /metrics, llama-cpp-python's
+  counted by benchmarks/llama_server.py, llama-server's from its /metrics) and the time until the
+  last answer;
 - aggregate decode tokens/s with 1, 2, 4 and 8 requests at once.
 
 llama-cpp-python's server serves one request at a time, as shipped. The burst runs against it
 twice: with its prompt cache on (`--cache true`: a LlamaRAMCache, which saves the whole state after
 every request) and as it starts by default (no cache; it still reuses the prompt prefix left in its
-context). Decode runs against the default, its faster configuration. Every request asks for the
-same number of tokens on both servers (ours: `ignore_eos`; theirs: `min_tokens`), and the tokens
-actually generated are what the rates count.
+context). Decode runs against the default, its faster configuration.
+
+llama-server (C++, built once from the same llama.cpp: benchmarks/cpp_server.py) is the peer
+users pick: continuous batching over parallel slots and a unified KV cache, with its host-memory
+prompt cache. It runs with its defaults (4 slots) and with 8 slots (`-np 8`), on 8,192 cells.
+
+Every request asks for the same number of tokens on every server (ours and llama-server:
+`ignore_eos`; llama-cpp-python's: `min_tokens`), and the tokens actually generated are what the
+rates count.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from benchmarks.texts import text_of
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS, THEIRS, THEIRS_CACHED = "superfluid serve", "llama-cpp-python server", "llama-cpp-python server + cache"
+PEER, PEER_NP8 = "llama-server", "llama-server -np 8"  # llama.cpp's own C++ server: its defaults, and 8 slots
+PEERS = (PEER, PEER_NP8)
+PEER_GROUP = "ours against llama.cpp's llama-server"
+PEER_CONTEXT = 8192  # its cells (-c), shared by its slots (a unified KV cache, its default)
 BURST = "shared-prefix burst: ours against llama-cpp-python's server"
 DECODE = "decode: aggregate tokens/s, ours against llama-cpp-python's server"
 BURST_TOKENS = 16  # tokens each burst request generates
@@ -54,8 +66,11 @@ class Served:
     """A server child process on a loopback port; stop() ends it (by its pid) and cleans up."""
 
     def __init__(self, label: str, argv: list[str], port: int, counts: Callable[["Served"], dict],
-                 cleanup: Callable[[], None] = lambda: None) -> None:
+                 cleanup: Callable[[], None] = lambda: None, exact_length: dict | None = None) -> None:
+        """`exact_length`: the request fields that make it generate exactly max_tokens (past an
+        end-of-text token): ours and llama-server take ignore_eos, llama-cpp-python min_tokens."""
         self.label, self.port, self._counts, self._cleanup = label, port, counts, cleanup
+        self.exact_length = exact_length or {"ignore_eos": True}
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.base = f"http://127.0.0.1:{port}"
@@ -95,7 +110,7 @@ class Served:
     def complete(self, prompt: str, max_tokens: int) -> int:
         """One completion request for exactly `max_tokens` tokens (end-of-text ignored); the tokens
         it generated."""
-        extra = {"ignore_eos": True} if self.label == OURS else {"min_tokens": max_tokens}
+        extra = {name: (max_tokens if value == "max_tokens" else value) for name, value in self.exact_length.items()}
         reply = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
                                                temperature=0.0, extra_body=extra)
         return reply.usage.completion_tokens
@@ -149,7 +164,29 @@ def start_theirs(model: Path, n_ctx: int, cache: bool) -> Served:
     def counts(served: Served) -> dict:
         return json.loads(served.get("/bench/counts"))
 
-    return Served(THEIRS_CACHED if cache else THEIRS, argv, port, counts)
+    return Served(THEIRS_CACHED if cache else THEIRS, argv, port, counts, exact_length={"min_tokens": "max_tokens"})
+
+
+def start_peer(model: Path, n_ctx: int, slots: int | None = None) -> Served:
+    """llama.cpp's llama-server on `model` (built once, benchmarks/cpp_server.py) with its
+    defaults (4 slots, a unified KV cache, its host-memory prompt cache) or `slots` slots, on 2
+    threads, counting what it evaluates from its own /metrics."""
+    from benchmarks import cpp_server
+
+    port = free_port()
+    argv = [str(cpp_server.find_or_build()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+            "-tb", "2", "-c", str(n_ctx), "--metrics", *(["-np", str(slots)] if slots else [])]
+
+    def counts(served: Served) -> dict:
+        metrics = {}
+        for line in served.get("/metrics").decode().splitlines():
+            if line.startswith("llamacpp:") and " " in line:
+                key, value = line.split(" ", 1)
+                metrics[key] = float(value)
+        # prompt tokens it processed (what its prompt cache and slots did not hold), tokens generated
+        return {"prompt": metrics["llamacpp:prompt_tokens_total"], "decode": metrics["llamacpp:tokens_predicted_total"]}
+
+    return Served(PEER if slots is None else f"{PEER} -np {slots}", argv, port, counts)
 
 
 def burst(run: Run, served: Served, requests: int, prefix: int, repeat: int, tick: Callable[[str], None]) -> None:
@@ -194,12 +231,15 @@ def decode(run: Run, served: Served, counts: list[int], tokens: int, repeat: int
 
 def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int], tokens: int, repeat: int,
           tick: Callable[[str], None]) -> None:
-    """The three server runs, one after the other, then the ratios."""
+    """The server runs, one after the other, then the ratios: ours, llama-cpp-python's (with its
+    cache and without) and llama.cpp's llama-server (its defaults and 8 slots)."""
     n_ctx = max(4096, prefix + 512)
     with tempfile.TemporaryDirectory() as scratch:
         for start, measures_decode in ((lambda: start_ours(model, 2 * n_ctx, scratch), True),
                                        (lambda: start_theirs(model, n_ctx, cache=True), False),
-                                       (lambda: start_theirs(model, n_ctx, cache=False), True)):
+                                       (lambda: start_theirs(model, n_ctx, cache=False), True),
+                                       (lambda: start_peer(model, PEER_CONTEXT), True),
+                                       (lambda: start_peer(model, PEER_CONTEXT, slots=8), True)):
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
@@ -212,9 +252,16 @@ def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int
     for theirs in (THEIRS_CACHED, THEIRS):
         run.ratio(f"shared-prefix burst: {theirs} / ours (time for {requests} on a {prefix}-token prefix)",
                   ours=f"{OURS}: {label}", baseline=f"{theirs}: {label}", group=BURST)
+    for peer in PEERS:
+        run.ratio(f"shared-prefix burst: {peer} / ours (time for {requests} on a {prefix}-token prefix)",
+                  ours=f"{OURS}: {label}", baseline=f"{peer}: {label}", group=PEER_GROUP, goal=1)
     for count in counts:
         run.ratio(f"decode tokens/s, {count} at once: ours / theirs", ours=f"{OURS}: decode tokens/s, {count} at once",
                   baseline=f"{THEIRS}: decode tokens/s, {count} at once", group=DECODE)
+        for peer in PEERS:
+            run.ratio(f"decode tokens/s, {count} at once: ours / {peer}",
+                      ours=f"{OURS}: decode tokens/s, {count} at once", baseline=f"{peer}: decode tokens/s, {count} at once",
+                      group=PEER_GROUP, goal=0.9 if count == counts[-1] and count >= 8 else None)
     first, last = counts[0], counts[-1]
     run.ratio(f"decode tokens/s: ours at {last} at once / ours at {first}", ours=f"{OURS}: decode tokens/s, {last} at once",
               baseline=f"{OURS}: decode tokens/s, {first} at once", group=DECODE, goal=3 if last >= 8 else None)

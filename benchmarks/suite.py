@@ -11,13 +11,15 @@ Measured side by side in the same run, each a median with its range and a ratio 
 3. warm against cold time to first token by context, 256 to 4,096 tokens, both engines; 1 and 3
    again on Gemma 3 270M through llama.cpp (a sliding window on 5 of every 6 layers);
 4. 16 requests on one 1,000-token prefix at once: prompt tokens evaluated and the time until the
-   last answer, `superfluid serve` against llama-cpp-python's server with its cache and without;
-5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against that server (no cache)
+   last answer, `superfluid serve` against llama-cpp-python's server with its cache and without,
+   and against llama.cpp's llama-server (its defaults, and 8 slots; built once from the same
+   llama.cpp, benchmarks/cpp_server.py);
+5. aggregate decode tokens/s with 1, 2, 4 and 8 requests at once, against those servers (no cache)
    and against llama.cpp's own batched step alone (the bound);
 6. an interactive session's time to first token behind 8 background sessions, against idle;
 7. memory: the pool's bytes per cached token against the price it computed (they must agree);
-8. under load, against llama-cpp-python's server on 4,096 cells: decode beside 6 idle 2,000-token
-   sessions, a chat's first token behind 8 agents with 1,800-token prompts, 32 clients at once;
+8. under load, against llama-cpp-python's server on 4,096 cells and llama-server (both ways):
+   decode beside 6 idle 2,000-token sessions, a chat's first token behind 8 agents with 1,800-token prompts, 32 clients at once;
 9. the HTTP layer: decode tokens/s through `superfluid serve` against the same Host in-process at
    1, 2, 4 and 8 requests at once, and /health beside 1,000 half-open connections.
 
@@ -78,9 +80,11 @@ class Sizes:
     def steps(self, engines: int) -> int:
         """Progress-bar steps the run takes with `engines` engine-level runs (runtimes and models)."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
-        servers = 3 * self.burst_repeat + 2 * len(self.concurrency)  # ours, theirs with cache, theirs without
+        # bursts: ours, llama-cpp-python's with its cache and without, llama-server and with 8 slots;
+        # decode on all but llama-cpp-python's with its cache
+        servers = 5 * self.burst_repeat + 4 * len(self.concurrency)
         http = len(self.concurrency) + 1  # HTTP against in-process, /health beside half-open connections
-        return engines * per_engine + servers + http + 2 + 6  # + decode bound, interactive, 3 load shapes x 2
+        return engines * per_engine + servers + http + 2 + 3 * 4  # + decode bound, interactive, 3 load shapes x 4
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,

@@ -129,7 +129,7 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
                   "restore: ours against the engine's own cache (llama.cpp)",
                   "restore: ours against the engine's own cache (MLX)", suite.ttft.GROUP, suite.servers.BURST,
                   suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP,
-                  suite.over_http.GROUP):
+                  suite.over_http.GROUP, suite.servers.PEER_GROUP):
         assert grouped.get(group), f"nothing measured for {group!r}"
     for label, ratio in result["ratios"].items():
         assert ratio["value"] > 0 and ratio["low"] <= ratio["value"] <= ratio["high"], label
@@ -142,7 +142,11 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         evaluated = notes[f"{server}: {burst}"][0]
         assert one_prompt <= evaluated < 2 * one_prompt, (server, evaluated)  # the prefix once, not four times
         assert notes[f"{server}: tokens generated per burst (asked: 4 x 16)"] == [64], server
-    for server in (suite.servers.OURS, suite.servers.THEIRS):
+    for peer in suite.servers.PEERS:  # llama-server: its prompt cache and slots decide what it evaluates
+        assert notes[f"{peer}: {burst}"][0] >= one_prompt, peer
+        assert notes[f"{peer}: tokens generated per burst (asked: 4 x 16)"] == [64], peer
+        assert notes[f"{peer}: agents finished of 2"] == 2, peer
+    for server in (suite.servers.OURS, suite.servers.THEIRS, *suite.servers.PEERS):
         assert notes[f"{server}: tokens generated in the decode runs (asked: 8 per request)"] == 8 * (1 + 2), server
     for engine in ("llama.cpp", "MLX"):
         assert len(notes[f"{engine} second-turn prompt tokens at 128"]) == 1
@@ -150,6 +154,12 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     assert clients["served"] == 4 and set(clients) <= {"served", "refused", "seconds"}  # nothing else happened
     under_load = dict(grouped[suite.load.GROUP])
     assert under_load["4 clients at once, served: ours / theirs"]["value"] > 0
+    against_peer = dict(grouped[suite.servers.PEER_GROUP])
+    for peer in suite.servers.PEERS:
+        for label in (f"decode tokens/s, 2 at once: ours / {peer}", f"chat first token behind 2 agents: {peer} / ours",
+                      f"4 clients at once, served: ours / {peer}",
+                      f"shared-prefix burst: {peer} / ours (time for 4 on a 128-token prefix)"):
+            assert against_peer[label]["value"] > 0, label
     bound = dict(grouped[suite.servers.DECODE])
     assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
     assert "decode tokens/s: the engine alone at 2 at once / at 1" in bound
