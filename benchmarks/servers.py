@@ -70,16 +70,30 @@ class Served:
         """`exact_length`: the request fields that make it generate exactly max_tokens (past an
         end-of-text token): ours and llama-server take ignore_eos, llama-cpp-python min_tokens."""
         self.label, self.port, self._counts, self._cleanup = label, port, counts, cleanup
+        self.argv = argv
         self.exact_length = exact_length or {"ignore_eos": True}
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.base = f"http://127.0.0.1:{port}"
+        self._launch()
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
+
+    def _launch(self) -> None:
+        self.process = subprocess.Popen(self.argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         try:
             self.model = self._wait_until_serving()
         except BaseException:  # not serving (or interrupted): nothing it started may stay behind
             self.stop()
             raise
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
+
+    def restart(self) -> None:
+        """Stop it (SIGTERM) and start the same command again, keeping what it keeps beyond its
+        process (ours: the session log and the KV pool in shared memory)."""
+        self._terminate()
+        self._launch()
+
+    def exact(self, max_tokens: int) -> dict:
+        """The request fields that make it generate exactly `max_tokens` tokens."""
+        return {name: (max_tokens if value == "max_tokens" else value) for name, value in self.exact_length.items()}
 
     def _wait_until_serving(self) -> str:
         """The model id the server lists, once it answers; RuntimeError if it exits or stays
@@ -110,13 +124,17 @@ class Served:
     def complete(self, prompt: str, max_tokens: int) -> int:
         """One completion request for exactly `max_tokens` tokens (end-of-text ignored); the tokens
         it generated."""
-        extra = {name: (max_tokens if value == "max_tokens" else value) for name, value in self.exact_length.items()}
         reply = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0.0, extra_body=extra)
+                                               temperature=0.0, extra_body=self.exact(max_tokens))
         return reply.usage.completion_tokens
 
     def stop(self) -> None:
         """SIGTERM to its pid, then SIGKILL after 60 s; then remove what it left (pool, log)."""
+        self._terminate()
+        self.log.close()
+        self._cleanup()
+
+    def _terminate(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -124,8 +142,6 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.log.close()
-        self._cleanup()
 
 
 def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:

@@ -146,6 +146,8 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         assert notes[f"{peer}: {burst}"][0] >= one_prompt, peer
         assert notes[f"{peer}: tokens generated per burst (asked: 4 x 16)"] == [64], peer
         assert notes[f"{peer}: agents finished of 2"] == 2, peer
+    for server in (suite.servers.OURS, *suite.servers.PEERS):  # both report what came from cache
+        assert all(cached > 0 for cached in notes[f"{server}: prompt tokens from cache in the last 5 of 10 turns"])
     for server in (suite.servers.OURS, suite.servers.THEIRS, *suite.servers.PEERS):
         assert notes[f"{server}: tokens generated in the decode runs (asked: 8 per request)"] == 8 * (1 + 2), server
     for engine in ("llama.cpp", "MLX"):
@@ -158,7 +160,8 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     for peer in suite.servers.PEERS:
         for label in (f"decode tokens/s, 2 at once: ours / {peer}", f"chat first token behind 2 agents: {peer} / ours",
                       f"4 clients at once, served: ours / {peer}",
-                      f"shared-prefix burst: {peer} / ours (time for 4 on a 128-token prefix)"):
+                      f"shared-prefix burst: {peer} / ours (time for 4 on a 128-token prefix)",
+                      f"next turn after a restart: {peer} / ours", f"10-turn conversation, late first token: {peer} / ours"):
             assert against_peer[label]["value"] > 0, label
     bound = dict(grouped[suite.servers.DECODE])
     assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
