@@ -21,6 +21,7 @@ from tests.conftest import in_threads
 from tests.superfluid.served import Served
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+NO_WAIT_LIMIT = 86_400  # seconds: refusals for waiting too long are tested on a simulated clock (test_load.py)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,10 @@ def agent(client, model, i: int) -> openai.types.chat.ChatCompletion:
 
 
 def test_eight_agents_all_finish_and_an_interactive_chat_is_not_held_behind_them(smollm, tmp_path):
-    served = Served(smollm, tmp_path, "--llamacpp-n-ctx", "4096", "--pool-bytes", str(1 << 30), exact=False)
+    # No refusal for waiting: on a busy machine the last agents wait longer than serve's default
+    # 300 s (a CI run beside other work saw five refused), and how long they wait is the machine's.
+    served = Served(smollm, tmp_path, "--llamacpp-n-ctx", "4096", "--pool-bytes", str(1 << 30),
+                    "--max-wait-seconds", str(NO_WAIT_LIMIT), exact=False)
     try:
         client = served.client()
         # Every chat is a new conversation with a prompt of its own (nothing of it cached), on the
@@ -88,7 +92,7 @@ def test_eight_agents_all_finish_and_an_interactive_chat_is_not_held_behind_them
 
 def test_thirty_two_clients_at_once_are_each_served_or_refused_before_their_stream(smollm, tmp_path):
     served = Served(smollm, tmp_path, "--llamacpp-n-ctx", "4096", "--max-waiting", "8", "--pool-bytes", str(1 << 30),
-                    exact=False)
+                    "--max-wait-seconds", str(NO_WAIT_LIMIT), exact=False)  # refused for the queue's length only
     try:
         client = served.client()
 
