@@ -30,7 +30,7 @@ from benchmarks import servers  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.texts import text_of  # noqa: E402
 
-GROUP = servers.PEER_GROUP
+GROUP = "conversations: ours against llama-cpp-python's server and llama-server"
 SERVERS = (servers.OURS, servers.THEIRS, *servers.PEERS)
 REPLY_TOKENS = 16
 EDGE = 5  # turns at each end of the long conversation that are compared

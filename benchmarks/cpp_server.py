@@ -80,18 +80,29 @@ def find_or_build(progress: Callable[[str], None] = print, jobs: int | None = No
             members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
             for member in members:
                 member.name = member.name[len(prefix):] or "."
-            tar.extractall(source, members=members, filter="data")
+            # only plain files and folders inside the target (Python's "data" filter where it has one)
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(source, members=members, **safe)
+        cmake = _cmake()
         log = Path(scratch) / "build.log"
         build = Path(scratch) / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), *FLAGS], log, progress, "configuring")
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
+        _run([cmake, "-S", str(source), "-B", str(build), *FLAGS], log, progress, "configuring")
+        _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
              log, progress, "building")
-        built = build / "bin" / "llama-server"
-        partial = target.with_suffix(".partial")
-        shutil.copy2(built, partial)
+        partial = Path(scratch) / "llama-server"  # this build's own: concurrent builds never share it
+        shutil.copy2(build / "bin" / "llama-server", partial)
         os.replace(partial, target)  # whole or absent: a build cut short leaves nothing behind
     progress(f"llama-server: built {target}")
     return target
+
+
+def _cmake() -> str:
+    """cmake on the PATH, or beside this Python (PyPI's cmake package); RuntimeError naming both."""
+    found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError("llama-server: building it needs cmake: `apt-get install cmake`, or `pip install cmake` "
+                           "into this environment")
+    return found
 
 
 def _run(command: list[str], log: Path, progress: Callable[[str], None], stage: str) -> None:

@@ -187,6 +187,9 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
         run.ratio(f"chat first token behind {sizes.agents} agents: {name} / ours",
                   ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
                   baseline=f"{theirs}: chat first token behind {sizes.agents} agents", group=group, goal=1)
+        if run.figures[f"{theirs}: {sizes.clients} clients at once, served"].median == 0:
+            run.note(f"{sizes.clients} clients at once, served: ours / {name}", "it served none: no ratio")
+            continue
         run.ratio(f"{sizes.clients} clients at once, served: ours / {name}",
                   ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
                   baseline=f"{theirs}: {sizes.clients} clients at once, served", group=group, goal=1)

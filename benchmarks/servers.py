@@ -74,8 +74,8 @@ class Served:
         self.exact_length = exact_length or {"ignore_eos": True}
         self.log = tempfile.TemporaryFile(mode="w+")
         self.base = f"http://127.0.0.1:{port}"
-        self._launch()
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="bench", max_retries=0, timeout=900)
+        self._launch()
 
     def _launch(self) -> None:
         self.process = subprocess.Popen(self.argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -151,7 +151,10 @@ def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:
     port, pool = free_port(), f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
             "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads", "2",
-            "--llamacpp-threads-batch", "2", "--llamacpp-n-ctx", str(n_ctx)]
+            "--llamacpp-threads-batch", "2", "--llamacpp-n-ctx", str(n_ctx),
+            # no refusal for waiting long (serve's default 300 s): the peers have no such limit, and
+            # how long a request waits here is the shared machine's as much as ours
+            "--max-wait-seconds", "86400"]
 
     def counts(served: Served) -> dict:
         metrics = {}
@@ -191,7 +194,10 @@ def start_peer(model: Path, n_ctx: int, slots: int | None = None) -> Served:
 
     port = free_port()
     argv = [str(cpp_server.find_or_build()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-            "-tb", "2", "-c", str(n_ctx), "--metrics", *(["-np", str(slots)] if slots else [])]
+            "-tb", "2", "-c", str(n_ctx), "--metrics",
+            # its unified KV cache comes with automatic slots only: a slot count alone would split
+            # the cells (8 slots of 1,024, refusing longer prompts)
+            *(["-np", str(slots), "--kv-unified"] if slots else [])]
 
     def counts(served: Served) -> dict:
         metrics = {}
@@ -246,7 +252,7 @@ def decode(run: Run, served: Served, counts: list[int], tokens: int, repeat: int
 
 
 def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int], tokens: int, repeat: int,
-          tick: Callable[[str], None]) -> None:
+          burst_repeat: int, tick: Callable[[str], None]) -> None:
     """The server runs, one after the other, then the ratios: ours, llama-cpp-python's (with its
     cache and without) and llama.cpp's llama-server (its defaults and 8 slots)."""
     n_ctx = max(4096, prefix + 512)
@@ -259,7 +265,7 @@ def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
-                burst(run, served, requests, prefix, repeat, tick)
+                burst(run, served, requests, prefix, burst_repeat, tick)
                 if measures_decode:
                     decode(run, served, counts, tokens, repeat, tick)
             finally:

@@ -1,7 +1,7 @@
 """Every comparison superfluid is judged on, in one run on this machine, written where readers look.
 
     .venv/bin/python benchmarks/suite.py            # SmolLM2-135M, the full sizes (about 20 minutes on 2 cores)
-    .venv/bin/python benchmarks/suite.py --quick    # small sizes, into benchmarks/results/quick/ (a minute or two)
+    .venv/bin/python benchmarks/suite.py --quick    # small sizes, into benchmarks/results/quick/ (about 4 minutes)
 
 Measured side by side in the same run, each a median with its range and a ratio to its comparison:
 
@@ -152,7 +152,8 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress,
         ttft.bench_engine(run, "llamacpp", second, list(sizes.contexts), sizes.ttft_repeat, tick, label=GEMMA)
     progress.set_description("servers")
     servers.bench(run, model, requests=sizes.burst_requests, prefix=sizes.burst_prefix,
-                  counts=list(sizes.concurrency), tokens=sizes.decode_tokens, repeat=sizes.decode_repeat, tick=tick)
+                  counts=list(sizes.concurrency), tokens=sizes.decode_tokens, repeat=sizes.decode_repeat,
+                  burst_repeat=sizes.burst_repeat, tick=tick)
     decode_bound.bench(run, model, list(sizes.concurrency), steps=32, repeat=sizes.decode_repeat, group=servers.DECODE,
                        ours=lambda count: f"{servers.OURS}: decode tokens/s, {count} at once", tick=tick)
     progress.set_description("HTTP against in-process")
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or (ROOT / "benchmarks" / "results" / "quick" if args.quick else ROOT / "docs")
     model = args.model or models.default_model(progress=print)
     second = None if args.no_second_model else Path(args.second_model or models.gemma3_model(progress=print))
+    from benchmarks import cpp_server
+
+    cpp_server.find_or_build(progress=print)  # before the bar: a first build takes minutes, and may fail
     try:
         engines = len(runtimes) + (second is not None)
         with tqdm(total=sizes.steps(engines), unit="step", dynamic_ncols=True) as progress:
