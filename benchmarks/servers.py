@@ -116,6 +116,15 @@ class Served:
         """{"prompt": prompt tokens evaluated, "decode": generated tokens} so far."""
         return self._counts(self)
 
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """Its Prometheus series whose names start with `prefix`, by name (labels included)."""
+        values = {}
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith(prefix) and " " in line:
+                key, value = line.split(" ", 1)
+                values[key] = float(value)
+        return values
+
     def get(self, path: str) -> bytes:
         """The body of GET `path`."""
         with urllib.request.urlopen(f"{self.base}{path}", timeout=60) as response:
@@ -157,11 +166,7 @@ def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:
             "--max-wait-seconds", "86400"]
 
     def counts(served: Served) -> dict:
-        metrics = {}
-        for line in served.get("/metrics").decode().splitlines():
-            if line.startswith("superfluid_") and " " in line:
-                key, value = line.split(" ", 1)
-                metrics[key] = float(value)
+        metrics = served.metrics("superfluid_")
         return {"prompt": metrics["superfluid_prefill_tokens_total"],
                 "decode": metrics["superfluid_decode_tokens_total"]}
 
@@ -200,11 +205,7 @@ def start_peer(model: Path, n_ctx: int, slots: int | None = None) -> Served:
             *(["-np", str(slots), "--kv-unified"] if slots else [])]
 
     def counts(served: Served) -> dict:
-        metrics = {}
-        for line in served.get("/metrics").decode().splitlines():
-            if line.startswith("llamacpp:") and " " in line:
-                key, value = line.split(" ", 1)
-                metrics[key] = float(value)
+        metrics = served.metrics("llamacpp:")
         # prompt tokens it processed (what its prompt cache and slots did not hold), tokens generated
         return {"prompt": metrics["llamacpp:prompt_tokens_total"], "decode": metrics["llamacpp:tokens_predicted_total"]}
 
@@ -287,3 +288,23 @@ def bench(run: Run, model: Path, *, requests: int, prefix: int, counts: list[int
     first, last = counts[0], counts[-1]
     run.ratio(f"decode tokens/s: ours at {last} at once / ours at {first}", ours=f"{OURS}: decode tokens/s, {last} at once",
               baseline=f"{OURS}: decode tokens/s, {first} at once", group=DECODE, goal=3 if last >= 8 else None)
+
+
+def standalone(argv: list[str] | None, description: str, name: str, bench: Callable, full, quick) -> int:
+    """A server benchmark module's command line: `--quick` (small sizes) and `--model`; runs
+    `bench(run, model, sizes, tick)` and prints its figures, ratios and notes."""
+    import argparse
+
+    from engines import models
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: SmolLM2-135M-Instruct from PyPI)")
+    args = parser.parse_args(argv)
+    model = args.model or models.default_model(progress=print)
+    run = Run(name)
+    bench(run, Path(model), quick if args.quick else full, tick=lambda step: print(step, flush=True))
+    print(run.table())
+    for key, value in run.notes.items():
+        print(f"{key}: {value}")
+    return 0
