@@ -5,6 +5,8 @@ Every field a request may carry is accounted for:
 - fields the engine honours: OpenAI's, llama.cpp's and vLLM's sampling names (`top_k`, `min_p`,
   `repeat_penalty` / `repetition_penalty`, `repeat_last_n`), `seed`, `logprobs`/`top_logprobs`;
 - fields that change nothing here (`user`, `metadata`, `store`, ...: IGNORED), dropped on purpose;
+- SGLang's request options, which sglang-router fills in at their defaults on every request it
+  forwards (ROUTER_FILLED): dropped at a value that changes nothing here, refused at any other;
 - fields that would change the answer in a way this server cannot honour (`grammar`, `tools`,
   `response_format` other than text, `n` > 1, ...: REFUSED and `refuse_unsupported`), a 400
   naming the field and why;
@@ -22,6 +24,18 @@ from superfluid.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
                      "prompt_cache_key", "safety_identifier"})
+
+# SGLang's own request options. sglang-router re-encodes every chat and completion request it
+# forwards with these set to SGLang's defaults, so a worker behind it must take them: each maps to
+# the values that change nothing here (no reasoning parser runs, so either reasoning flag is moot).
+ROUTER_FILLED = {
+    "no_stop_trim": ((False,), "keeping the stop string in the reply"),
+    "continue_final_message": ((False,), "continuing the last assistant message instead of answering it"),
+    "skip_special_tokens": ((True,), "special tokens' text in the reply"),
+    "separate_reasoning": ((True, False), "separating the reasoning from the reply"),
+    "stream_reasoning": ((True, False), "streaming the reasoning apart from the reply"),
+    "return_hidden_states": ((False,), "the model's hidden states"),
+}
 
 # Would change the answer, and the engine cannot honour them: a 400 saying what they ask for.
 REFUSED = {
@@ -138,11 +152,16 @@ def decode(body: bytes, kind: type) -> Any:
     if not isinstance(fields, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in fields.items():
+        if name in ROUTER_FILLED and not any(value is neutral for neutral in ROUTER_FILLED[name][0]):
+            raise ApiError(400, f"`{name}: {msgspec.json.encode(value).decode()}` (SGLang's option for "
+                           f"{ROUTER_FILLED[name][1]}) is not supported by this server; remove it",
+                           param=name, code="unsupported_parameter")
         if name in REFUSED and value is not None:
             raise ApiError(400, f"`{name}` ({REFUSED[name]}) is not supported by this server; remove it",
                            param=name, code="unsupported_parameter")
     kept = {name: value for name, value in fields.items()
-            if not (name in IGNORED and name not in kind.__struct_fields__) and not (name in REFUSED and value is None)}
+            if not (name in IGNORED and name not in kind.__struct_fields__) and not (name in REFUSED and value is None)
+            and name not in ROUTER_FILLED}
     try:
         return msgspec.convert(kept, kind)
     except msgspec.ValidationError as exc:

@@ -3,6 +3,7 @@ none is dropped in silence."""
 
 import json
 
+import msgspec
 import pytest
 
 from superfluid import api
@@ -141,3 +142,31 @@ def test_completions_count_alternatives_and_refuse_true():
     body = b'{"model": "m", "prompt": "p", "logprobs": true}'
     with pytest.raises(api.ApiError, match="number of alternatives"):
         api.logprobs_of(api.decode(body, api.CompletionRequest), chat=False)
+
+
+# What sglang-router 0.3.2 sends for `{"model": "m", "messages": [...]}`: it re-encodes the request
+# with SGLang's own options at their defaults (read off the wire in front of a worker).
+ROUTER_CHAT = {"logprobs": False, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+               "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+               "stream_reasoning": True, "return_hidden_states": False}
+ROUTER_COMPLETION = {"prompt": "p", "max_tokens": 3, "stream": False, "echo": False, "no_stop_trim": False,
+                     "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def test_what_sglang_router_adds_to_a_request_changes_nothing():
+    chat = decode(**ROUTER_CHAT)
+    api.refuse_unsupported(chat)
+    assert api.sampling_of(chat) == {} and api.logprobs_of(chat, chat=True) is None
+    assert msgspec.structs.replace(chat, logprobs=None) == decode()  # false: none, as when absent
+    completion = api.decode(json.dumps({"model": "m", **ROUTER_COMPLETION}).encode(), api.CompletionRequest)
+    api.refuse_unsupported(completion)
+    assert completion.prompt == "p" and completion.max_tokens == 3
+
+
+@pytest.mark.parametrize("field, value", [("no_stop_trim", True), ("continue_final_message", True),
+                                          ("skip_special_tokens", False), ("return_hidden_states", True),
+                                          ("separate_reasoning", "yes")])
+def test_an_sglang_option_that_would_change_the_answer_is_refused_by_name(field, value):
+    error = refused(**{**ROUTER_CHAT, field: value})
+    assert error.param == field and error.code == "unsupported_parameter"
+    assert f"`{field}: {json.dumps(value)}`" in error.message and "SGLang" in error.message
