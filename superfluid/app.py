@@ -11,6 +11,7 @@ thousand threads.
     POST /v1/chat/completions        stream or not; usage with prompt_tokens_details.cached_tokens
     POST /v1/completions
     POST /v1/sessions …              sessions that outlive a request (docs/server.md)
+    GET  /server_info, /model_info, /get_load    what a router asks a worker (superfluid/worker.py)
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from superfluid import api, completions, responses
+from superfluid import __version__, api, completions, responses, worker
 from superfluid import sampling as sampler
 from superfluid.connections import OVER_CAPACITY
-from superfluid.errors import HostClosed
+from superfluid.errors import HostClosed, SessionNotFound
 from superfluid.metrics import CONTENT_TYPE, Metrics
 from superfluid.session import LIVENESS_SECONDS
 
@@ -36,7 +37,8 @@ DRAIN_LIMIT = 16 << 20  # an unread body up to this is read away before the answ
 # metrics' route label is one of these patterns, or "other".
 ROUTES = {
     "GET": {"/health": "_health", "/metrics": "_metrics", "/v1/models": "_models", "/v1/sessions": "_session_list",
-            "/v1/sessions/*": "_session_info"},
+            "/v1/sessions/*": "_session_info", "/server_info": "_server_info", "/model_info": "_model_info",
+            "/get_load": "_load"},
     "POST": {"/v1/chat/completions": "_chat", "/v1/completions": "_completions", "/v1/sessions": "_session_create",
              "/v1/sessions/*/messages": "_session_messages", "/v1/sessions/*/generate": "_session_generate",
              "/v1/sessions/*/fork": "_session_fork"},
@@ -49,8 +51,9 @@ BODY_DISCARD_SECONDS = 5.0  # a body answered without being read (an error, a ro
 class Exchange:
     """One request and its response: the ASGI receive and send, with what was sent so far."""
 
-    def __init__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        """The request `scope` uvicorn parsed, and its receive and send callables."""
+    def __init__(self, scope: dict, receive: Callable, send: Callable, worker_name: str | None = None) -> None:
+        """The request `scope` uvicorn parsed, and its receive and send callables; `worker_name`
+        goes out on every response (worker.HEADER) when given."""
         self.method: str = scope["method"]
         self.target = scope["raw_path"].decode("latin-1") + (f"?{scope['query_string'].decode('latin-1')}"
                                                              if scope["query_string"] else "")
@@ -59,6 +62,7 @@ class Exchange:
         self.over_capacity = bool(scope.get("state", {}).get(OVER_CAPACITY))
         self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.receive, self._send = receive, send
+        self.worker_headers = {worker.HEADER: worker_name} if worker_name else {}
         # h11 has checked the framing: a body is declared by a length or by chunked encoding
         self.consumed = int(self.headers.get("content-length", "0")) == 0 and "transfer-encoding" not in self.headers
         self.responded = False  # a status went out: an error may not send another
@@ -123,6 +127,7 @@ class Exchange:
         if not self.consumed and not self.close:
             await self._discard(BODY_DISCARD_SECONDS)
         self.responded = True
+        headers = {**self.worker_headers, **headers}
         if self.close or not self.consumed:
             headers = {**headers, "Connection": "close"}
         await self._send({"type": "http.response.start", "status": status,
@@ -156,22 +161,24 @@ class App:
     """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
 
     def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics,
-                 max_connections: int, body_timeout: float) -> None:
+                 max_connections: int, body_timeout: float, worker_name: str | None = None) -> None:
         """`max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
-        seconds a request body may take to arrive."""
+        seconds a request body may take to arrive; `worker_name`: this server's name among
+        workers behind a router (it heads the ids of the sessions it creates; worker.py)."""
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name
         self.metrics = metrics
         self.max_connections = max_connections
         self.body_timeout = body_timeout
+        self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
         self.started = time.time()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """ASGI: answer one HTTP request."""
         if scope["type"] != "http":  # lifespan is off; websockets are not served
             return
-        exchange = Exchange(scope, receive, send)
+        exchange = Exchange(scope, receive, send, self.worker_name)
         path = scope["path"].rstrip("/") or "/"
         parts = path.split("/")
         session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None
@@ -193,6 +200,8 @@ class App:
                 self._authorize(exchange)
             status = await getattr(self, handler)(exchange, session_id) or 200
         except Exception as exc:  # noqa: BLE001 - every error is answered, and the server goes on
+            if isinstance(exc, SessionNotFound) and session_id is not None:
+                exc = worker.misdirected(session_id, self.worker_name) or exc
             status, body, headers = responses.error_response(exc)
             if exchange.gone or isinstance(exc, ConnectionResetError):
                 status = 499  # the client went away: nobody to answer
@@ -252,6 +261,16 @@ class App:
         await exchange.start(200, {"Content-Type": CONTENT_TYPE, "Content-Length": str(len(data))})
         await exchange.write(data, more=False)
 
+    async def _server_info(self, exchange: Exchange, _: None) -> None:
+        stats = await self.call(self.host.commands.stats)
+        await exchange.json(200, worker.server_info(self.model_name, __version__, stats))
+
+    async def _model_info(self, exchange: Exchange, _: None) -> None:
+        await exchange.json(200, worker.model_info(self.host.runtime))
+
+    async def _load(self, exchange: Exchange, _: None) -> None:
+        await exchange.json(200, worker.load(await self.call(self.host.commands.stats)))
+
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise api.ApiError(404, f"the model `{model}` does not exist here; this server serves "
@@ -291,8 +310,8 @@ class App:
         request = await self._decoded(exchange, api.SessionCreate)
         settings = sampler.Sampling(**api.sampling_of(request))
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
-        info = await self.call(_open_session, self.host.commands, request.system, settings, request.priority,
-                               messages)
+        info = await self.call(_open_session, self.host.commands, worker.new_session_id(self.worker_name),
+                               request.system, settings, request.priority, messages)
         await self._session_json(exchange, 201, info)
         return 201
 
@@ -320,7 +339,8 @@ class App:
 
     async def _session_fork(self, exchange: Exchange, session_id: str) -> int:
         commands = self.host.commands
-        info = await self.call(lambda: commands.info(commands.fork(session_id)))
+        child_id = worker.new_session_id(self.worker_name)
+        info = await self.call(lambda: commands.info(commands.fork(session_id, child_id)))
         await self._session_json(exchange, 201, info)
         return 201
 
@@ -333,10 +353,11 @@ def _role(message: api.Message) -> str:
     return "system" if message.role == "developer" else message.role
 
 
-def _open_session(commands, system: str | None, settings: sampler.Sampling, priority: str,
+def _open_session(commands, session_id: str | None, system: str | None, settings: sampler.Sampling, priority: str,
                   messages: list[tuple[str, str]]):
-    """On the scheduler thread: a new session with its messages (none of it if one is refused)."""
-    session_id = commands.create(None, system, settings, priority)
+    """On the scheduler thread: a new session (`session_id`, or a fresh one) with its messages
+    (none of it if one is refused)."""
+    session_id = commands.create(session_id, system, settings, priority)
     try:
         return _append_messages(commands, session_id, messages)
     except BaseException:

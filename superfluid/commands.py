@@ -253,10 +253,13 @@ class Commands:
 
     # ----------------------------------------------------------------------------- shaping
 
-    def fork(self, session_id: str) -> str:
-        """A child session with the parent's tokens and messages, sharing its KV; its id."""
+    def fork(self, session_id: str, child_id: str | None = None) -> str:
+        """A child session (`child_id`, or a fresh id) with the parent's tokens and messages,
+        sharing its KV; its id."""
         parent = self._live(session_id)
-        child_id = uuid.uuid4().hex
+        child_id = child_id or uuid.uuid4().hex
+        if child_id in self.sessions:
+            raise SuperfluidError(f"a session {child_id!r} exists already; fork into a new id")
         state = parent.state
         records = [Opened(child_id, time.time(), state.sampling, state.priority, session_id)]
         records += [Turn(child_id, m["role"], m["content"], end) for m, end in zip(state.messages, state.message_ends)]

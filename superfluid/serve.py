@@ -20,6 +20,7 @@ from engines import models, registry
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
+from superfluid import worker
 from superfluid.errors import LogBusy
 from superfluid.host import DEFAULT_POOL_BYTES, Host
 from superfluid.responses import kv_summary
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--log-level", default="info", choices=LOG_LEVELS, help="what goes to stderr: info logs a line per "
          "request (default: info)")
     flag("--model-name", help="the id /v1/models shows (default: the file's name)")
+    flag("--worker-name", help="this server's name among workers behind a router: it heads the ids of the sessions "
+         "it creates, so a proxy can route each session to its worker, and goes out on every response as "
+         "X-Superfluid-Worker (docs/scaling.md)")
     flag("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections; beyond them a request is "
          f"answered 503 with Retry-After and its connection closed (default: {MAX_CONNECTIONS})")
     flag("--timeout-keep-alive", type=float, default=KEEP_ALIVE_TIMEOUT, help="seconds an idle kept-alive "
@@ -206,6 +210,11 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
     """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a port is 0 to 65535 (0: any free one)")
+    if args.worker_name is not None:
+        try:
+            worker.check_name(args.worker_name)
+        except ValueError as exc:
+            raise UsageError(f"--worker-name: {exc}") from None
     for name, value in (("--max-connections", args.max_connections), ("--timeout-keep-alive", args.timeout_keep_alive),
                         ("--header-timeout", args.header_timeout)):
         if not value > 0:
@@ -218,7 +227,8 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
     try:
         return Server(None, (args.host, args.port), api_key=args.api_key,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
-                      header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive)
+                      header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
+                      worker_name=args.worker_name)
     except socket.gaierror as exc:
         raise UsageError(f"--host {args.host}: not an address this machine can listen on ({exc.strerror})") from None
     except OSError as exc:

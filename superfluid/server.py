@@ -27,6 +27,7 @@ from pathlib import Path
 
 import uvicorn
 
+from superfluid import worker
 from superfluid.app import ROUTES, App
 from superfluid.connections import ServerConfig
 from superfluid.metrics import Metrics
@@ -49,12 +50,15 @@ class Server:
 
     def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, model_name: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
-                 keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> None:
+                 keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
+                 worker_name: str | None = None) -> None:
         """Bind `address` ("127.0.0.1", port; port 0 picks a free one) now; `host` may be set
-        later (`server.host = Host(...)`), before `run()`. OSError if the address is taken."""
+        later (`server.host = Host(...)`), before `run()`. OSError if the address is taken.
+        `worker_name`: this server's name among workers behind a router (superfluid/worker.py)."""
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name or "superfluid"
+        self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
         self.max_connections = max_connections
         self.header_timeout, self.keep_alive_timeout, self.body_timeout = header_timeout, keep_alive_timeout, body_timeout
         self.metrics = Metrics(frozenset(route for table in ROUTES.values() for route in table))
@@ -79,7 +83,7 @@ class Server:
         stop gracefully (the host is closed on the way). `on_serving` is called once requests are
         answered and the signals are handled. Blocks."""
         app = App(self.host, api_key=self.api_key, model_name=self.model_name, metrics=self.metrics,
-                  max_connections=self.max_connections, body_timeout=self.body_timeout)
+                  max_connections=self.max_connections, body_timeout=self.body_timeout, worker_name=self.worker_name)
         # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any loopback client
         # as the client's address (the request log's first field)
         config = ServerConfig(app, header_timeout=self.header_timeout, max_connections=self.max_connections,
