@@ -96,6 +96,9 @@ def machine() -> dict:
     return info
 
 
+COST_UNITS = frozenset({"s", "tokens"})  # figures where less is better: time taken, tokens a server evaluated
+
+
 @dataclass
 class Run:
     """One benchmark run: figures, ratios, notes, the machine; printed and written as JSON."""
@@ -144,8 +147,9 @@ class Run:
 
     def ratio(self, label: str, *, ours: str, baseline: str, goal: float | None = None,
               group: str | None = None, kind: str = "speed") -> Ratio:
-        """A speed ratio (kind "speed"): baseline / ours over the medians for times, ours / baseline
-        for rates (a figure whose unit is not seconds, e.g. tok/s), so above 1 we are faster; or an
+        """A speed ratio (kind "speed"): baseline / ours over the medians for costs (figures in
+        COST_UNITS: seconds, tokens evaluated), ours / baseline for rates and counts of what got
+        done (tok/s, requests served), so above 1 we are ahead; or an
         agreement (kind "agreement"): ours / baseline of two sizes that must be equal. The spread
         comes from the extremes of both."""
         a, b = self.figures[ours], self.figures[baseline]
@@ -153,7 +157,7 @@ class Run:
             raise ValueError(f"ratio {label!r}: {ours!r} is in {a.unit} but {baseline!r} in {b.unit}")
         if kind not in ("speed", "agreement"):
             raise ValueError(f"ratio {label!r}: kind {kind!r}; use speed or agreement")
-        if a.unit != "s" or kind == "agreement":
+        if a.unit not in COST_UNITS or kind == "agreement":
             a, b = b, a
         ratio = Ratio(label, ours, baseline, b.median / a.median, min(b.samples) / max(a.samples),
                       max(b.samples) / min(a.samples), goal, group, kind)

@@ -153,17 +153,19 @@ class Served:
                 self.process.wait()
 
 
-def start_ours(model: Path, n_ctx: int, scratch: str) -> Served:
-    """`superfluid serve` on `model` through llama.cpp, on a pool and log of its own."""
+def start_ours(model: Path, n_ctx: int, scratch: str, *, pool: str | None = None, threads: int = 2,
+               extra: tuple[str, ...] = ()) -> Served:
+    """`superfluid serve` on `model` through llama.cpp on `threads` threads, on a pool (`pool`,
+    default one named for this process) and log of its own, with `extra` flags."""
     from kvpool import segment
 
-    port, pool = free_port(), f"bench-serve-{os.getpid()}"
+    port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
-            "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads", "2",
-            "--llamacpp-threads-batch", "2", "--llamacpp-n-ctx", str(n_ctx),
+            "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
+            str(threads), "--llamacpp-threads-batch", str(threads), "--llamacpp-n-ctx", str(n_ctx),
             # no refusal for waiting long (serve's default 300 s): the peers have no such limit, and
             # how long a request waits here is the shared machine's as much as ours
-            "--max-wait-seconds", "86400"]
+            "--max-wait-seconds", "86400", *extra]
 
     def counts(served: Served) -> dict:
         metrics = served.metrics("superfluid_")

@@ -23,7 +23,9 @@ Measured side by side in the same run, each a median with its range and a ratio 
 9. the HTTP layer: decode tokens/s through `superfluid serve` against the same Host in-process at
    1, 2, 4 and 8 requests at once, and /health beside 1,000 half-open connections;
 10. conversations against those servers: the next turn after a 1,500-token first turn, warm,
-    after a restart of the server and cold; a 40-turn conversation's late first token.
+    after a restart of the server and cold; a 40-turn conversation's late first token;
+11. two `superfluid serve` workers behind sglang-router: prompt tokens prefilled and first token
+    of a concurrent mixed load, its cache-aware policy against round-robin.
 
 Writes, into --out-dir (default docs/): benchmarks.json (the run, with the machine), benchmarks.png
 (the plot), and the tables into benchmarks.md between its markers. It then compares the ratios
@@ -45,8 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import (conversations, decode_bound, host_ratios, load, over_http, report, restore, servers,  # noqa: E402
-                        ttft)
+from benchmarks import (conversations, decode_bound, host_ratios, load, over_http, report, restore,  # noqa: E402
+                        routing, servers, ttft)
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.regression import compare  # noqa: E402
 from engines import models  # noqa: E402
@@ -76,6 +78,7 @@ class Sizes:
     interactive_repeat: int
     load: load.LoadSizes
     conversations: conversations.ConversationSizes
+    routing: routing.RoutingSizes
 
     def ttft_repeat(self, context: int) -> int:
         """Samples at one context length (the long ones cost minutes each on 2 cores)."""
@@ -89,17 +92,18 @@ class Sizes:
         servers = 5 * self.burst_repeat + 4 * len(self.concurrency)
         http = len(self.concurrency) + 1  # HTTP against in-process, /health beside half-open connections
         talks = len(conversations.SERVERS) * (self.conversations.samples + 1)  # second turns, a long conversation
-        return engines * per_engine + servers + http + talks + 2 + 3 * 4  # + decode bound, interactive, 3 load shapes x 4
+        routed = len(routing.POLICIES)
+        return engines * per_engine + servers + http + talks + routed + 2 + 3 * 4  # + decode bound, interactive, 3 load shapes x 4
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
              ttft_repeat_long=2, burst_requests=16, burst_prefix=1000, burst_repeat=2, concurrency=(1, 2, 4, 8),
              decode_tokens=128, decode_repeat=2, background=8, interactive_repeat=5, load=load.FULL,
-             conversations=conversations.FULL)
+             conversations=conversations.FULL, routing=routing.FULL)
 QUICK = Sizes(lengths=(64, 128), restore_repeat=3, contexts=(64, 128), ttft_repeat_short=1, ttft_repeat_long=1,
               burst_requests=4, burst_prefix=128, burst_repeat=1, concurrency=(1, 2), decode_tokens=8, decode_repeat=1,
               background=2, interactive_repeat=2, load=load.QUICK,
-              conversations=conversations.QUICK)
+              conversations=conversations.QUICK, routing=routing.QUICK)
 
 
 def last_committed(path: Path) -> dict | None:
@@ -169,6 +173,8 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress,
     load.bench(run, model, sizes.load, tick)
     progress.set_description("conversations")
     conversations.bench(run, model, sizes.conversations, tick)
+    progress.set_description("two workers behind a router")
+    routing.bench(run, model, sizes.routing, tick)
     return run
 
 

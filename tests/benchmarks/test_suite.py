@@ -131,7 +131,7 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
                   "restore: ours against the engine's own cache (llama.cpp)",
                   "restore: ours against the engine's own cache (MLX)", suite.ttft.GROUP, suite.servers.BURST,
                   suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP,
-                  suite.over_http.GROUP, suite.servers.PEER_GROUP, suite.conversations.GROUP):
+                  suite.over_http.GROUP, suite.servers.PEER_GROUP, suite.conversations.GROUP, suite.routing.GROUP):
         assert grouped.get(group), f"nothing measured for {group!r}"
     for label, ratio in result["ratios"].items():
         assert ratio["value"] > 0 and ratio["low"] <= ratio["value"] <= ratio["high"], label
@@ -168,6 +168,11 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
     for other in (suite.servers.THEIRS, *suite.servers.PEERS):
         for label in (f"next turn after a restart: {other} / ours", f"10-turn conversation, late first token: {other} / ours"):
             assert talks[label]["value"] > 0, label
+    routed = dict(grouped[suite.routing.GROUP])
+    for label in ("prompt tokens prefilled: round-robin / cache-aware", "first token (median): round-robin / cache-aware"):
+        assert routed[label]["value"] > 0, label
+    for policy in suite.routing.POLICIES:
+        assert sum(notes[f"routing, {policy}: requests each worker served"].values()) == 8, policy
     bound = dict(grouped[suite.servers.DECODE])
     assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
     assert "decode tokens/s: the engine alone at 2 at once / at 1" in bound
