@@ -96,25 +96,33 @@ def _end(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             process.wait()
 
 
-class Router:
-    """sglang-router over `worker_urls` with `policy`, in a child process on a loopback port. Its
-    health checks run every second, so a dead worker is passed over within about two."""
+# The routers workers are tested behind: the module that launches each, and its name for a quiet log.
+# vllm-router began as a fork of sglang-router and takes the same flags.
+ROUTERS = {"sglang-router": ("sglang_router.launch_router", "warn"),
+           "vllm-router": ("vllm_router.launch_router", "warning")}
 
-    def __init__(self, worker_urls: list[str], policy: str, model: str) -> None:
+
+class Router:
+    """A router (`kind`: sglang-router by default, or vllm-router) over `worker_urls` with
+    `policy`, in a child process on a loopback port. Its health checks run every second, so a dead
+    worker is passed over within about two."""
+
+    def __init__(self, worker_urls: list[str], policy: str, model: str, kind: str = "sglang-router") -> None:
         """Start it, and wait until every worker is registered and healthy for `model`."""
+        module, quiet = ROUTERS[kind]
         self.port, metrics_port = servers.free_port(), servers.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.worker_urls = list(worker_urls)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *self.worker_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
              "--prometheus-port", str(metrics_port), "--health-check-interval-secs", "1",
-             "--health-failure-threshold", "2", "--health-success-threshold", "1", "--log-level", "warn"],
+             "--health-failure-threshold", "2", "--health-success-threshold", "1", "--log-level", quiet],
             stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=900)
         try:
-            _wait(lambda: self.healthy() == set(self.worker_urls) and self._lists(model), "sglang-router",
+            _wait(lambda: self.healthy() == set(self.worker_urls) and self._lists(model), kind,
                   self.process, self.log)
         except BaseException:
             self.stop()
@@ -131,7 +139,7 @@ class Router:
 
     def wait_healthy(self, urls: set[str]) -> None:
         """Wait until exactly `urls` are held healthy (after a worker died or came back)."""
-        _wait(lambda: self.healthy() == urls, f"sglang-router holding {sorted(urls)} healthy", self.process, self.log)
+        _wait(lambda: self.healthy() == urls, f"the router holding {sorted(urls)} healthy", self.process, self.log)
 
     def stop(self) -> None:
         """End it (by its pid)."""
@@ -211,16 +219,16 @@ def routed(run: Run, model: Path, policy: str, sizes: RoutingSizes, tick: Callab
                     seconds = list(pool.map(lambda m: first_token(router.client, workers[0].model, m),
                                             load_of(sizes)))
                 prefilled = sum(w.counts()["prompt"] for w in workers) - before
-                served = {name: served_chats(w) for name, w in zip(("w1", "w2"), workers)}
+                per_worker = {name: served_chats(w) for name, w in zip(("w1", "w2"), workers)}
             finally:
                 router.stop()
         finally:
-            for served in workers:
-                served.stop()
+            for worker in workers:
+                worker.stop()
     tick(f"routing: {policy}")
     run.record(f"{policy}: first token", seconds)
     run.record(f"{policy}: prompt tokens prefilled", [prefilled], unit="tokens")
-    run.note(f"routing, {policy}: requests each worker served", served)
+    run.note(f"routing, {policy}: requests each worker served", per_worker)
 
 
 def served_chats(worker: servers.Served) -> int:

@@ -171,7 +171,7 @@ class App:
         self.metrics = metrics
         self.max_connections = max_connections
         self.body_timeout = body_timeout
-        self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
+        self.worker_name = worker_name  # checked where it is given (serve's flag, Server)
         self.started = time.time()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
