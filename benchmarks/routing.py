@@ -23,7 +23,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -85,17 +84,6 @@ def _get_json(url: str):
         return None
 
 
-def _end(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    """End a child this module started, by its pid: `sig`, then SIGKILL after 30 s."""
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 # The routers workers are tested behind: the module that launches each, and its name for a quiet log.
 # vllm-router began as a fork of sglang-router and takes the same flags.
 ROUTERS = {"sglang-router": ("sglang_router.launch_router", "warn"),
@@ -143,7 +131,7 @@ class Router:
 
     def stop(self) -> None:
         """End it (by its pid)."""
-        _end(self.process)
+        servers.end(self.process, grace=30)
         self.log.close()
 
 
@@ -171,7 +159,7 @@ class Front:
 
     def stop(self) -> None:
         """End it (by its pid)."""
-        _end(self.process)
+        servers.end(self.process, grace=30)
         self.log.close()
 
 

@@ -88,7 +88,7 @@ class Served:
     def restart(self) -> None:
         """Stop it (SIGTERM) and start the same command again, keeping what it keeps beyond its
         process (ours: the session log and the KV pool in shared memory)."""
-        self._terminate()
+        end(self.process)
         self._launch()
 
     def exact(self, max_tokens: int) -> dict:
@@ -139,18 +139,20 @@ class Served:
 
     def stop(self) -> None:
         """SIGTERM to its pid, then SIGKILL after 60 s; then remove what it left (pool, log)."""
-        self._terminate()
+        end(self.process)
         self.log.close()
         self._cleanup()
 
-    def _terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+def end(process: subprocess.Popen, grace: float = 60) -> None:
+    """End a child this benchmark started, by its pid: SIGTERM, then SIGKILL after `grace` seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start_ours(model: Path, n_ctx: int, scratch: str, *, pool: str | None = None, threads: int = 2,

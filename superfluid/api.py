@@ -5,8 +5,8 @@ Every field a request may carry is accounted for:
 - fields the engine honours: OpenAI's, llama.cpp's and vLLM's sampling names (`top_k`, `min_p`,
   `repeat_penalty` / `repetition_penalty`, `repeat_last_n`), `seed`, `logprobs`/`top_logprobs`;
 - fields that change nothing here (`user`, `metadata`, `store`, ...: IGNORED), dropped on purpose;
-- SGLang's request options, which sglang-router fills in at their defaults on every request it
-  forwards (ROUTER_FILLED): dropped at a value that changes nothing here, refused at any other;
+- SGLang's request options, which sglang-router and vllm-router fill in at their defaults on every
+  request they forward (ROUTER_FILLED): dropped at a value that changes nothing here, refused at any other;
 - fields that would change the answer in a way this server cannot honour (`grammar`, `tools`,
   `response_format` other than text, `n` > 1, ...: REFUSED and `refuse_unsupported`), a 400
   naming the field and why;
@@ -25,9 +25,10 @@ from superfluid.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
                      "prompt_cache_key", "safety_identifier"})
 
-# SGLang's own request options. sglang-router re-encodes every chat and completion request it
-# forwards with these set to SGLang's defaults, so a worker behind it must take them: each maps to
-# the values that change nothing here (no reasoning parser runs, so either reasoning flag is moot).
+# SGLang's own request options. sglang-router (and vllm-router, its fork) re-encodes every chat
+# and completion request it forwards with these set to their defaults, so a worker behind it must
+# take them: each maps to the values that change nothing here (no reasoning parser runs, so either
+# reasoning flag is moot).
 ROUTER_FILLED = {
     "no_stop_trim": ((False,), "keeping the stop string in the reply"),
     "continue_final_message": ((False,), "continuing the last assistant message instead of answering it"),
@@ -35,6 +36,7 @@ ROUTER_FILLED = {
     "separate_reasoning": ((True, False), "separating the reasoning from the reply"),
     "stream_reasoning": ((True, False), "streaming the reasoning apart from the reply"),
     "return_hidden_states": ((False,), "the model's hidden states"),
+    "include_reasoning": ((True, False), "the reasoning in the reply"),  # vllm-router adds vLLM's too
 }
 
 # Would change the answer, and the engine cannot honour them: a 400 saying what they ask for.

@@ -63,8 +63,14 @@ class Served:
         raise AssertionError(f"no metric {name}")
 
     def stop(self) -> int:
+        """SIGTERM, and SIGKILL if it has not stopped within 60 s (a test that then fails on the
+        exit code still leaves no process or segment behind); its exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=60)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
         remove_segment(self.pool)
         return code

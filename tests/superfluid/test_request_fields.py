@@ -148,7 +148,8 @@ def test_completions_count_alternatives_and_refuse_true():
 # with SGLang's own options at their defaults (read off the wire in front of a worker).
 ROUTER_CHAT = {"logprobs": False, "stream": False, "no_stop_trim": False, "ignore_eos": False,
                "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
-               "stream_reasoning": True, "return_hidden_states": False}
+               "stream_reasoning": True, "return_hidden_states": False,
+               "include_reasoning": True}  # vllm-router 0.1.17 adds vLLM's include_reasoning to the same
 ROUTER_COMPLETION = {"prompt": "p", "max_tokens": 3, "stream": False, "echo": False, "no_stop_trim": False,
                      "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
 

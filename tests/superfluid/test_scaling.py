@@ -1,7 +1,7 @@
-"""Two `superfluid serve` workers behind sglang-router and an HAProxy front (docs/haproxy.cfg), all
-real processes on loopback: shared prefixes are prefilled once each, a session's turns reach the
-worker that holds it, the others carry on when a worker dies, and a restarted worker resumes its
-sessions from its pool."""
+"""Two `superfluid serve` workers behind a cache-aware router (sglang-router, and vllm-router, its
+fork) and an HAProxy front (docs/haproxy.cfg), all real processes on loopback: shared prefixes
+are prefilled once each, a session's turns reach the worker that holds it, the others carry on
+when a worker dies, and a restarted worker resumes its sessions from its pool."""
 
 import http.client
 import json
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks.routing import Front, Router
+from benchmarks.routing import ROUTERS, Front, Router
 from tests.superfluid.served import Served
 
 pytestmark = pytest.mark.slow
@@ -17,16 +17,16 @@ NAMES = ("w1", "w2")
 
 
 class Cluster:
-    """Two named workers on the tiny model, the router (cache-aware) over them, and the front."""
+    """Two named workers on the tiny model, a router (`kind`, cache-aware) over them, and the front."""
 
-    def __init__(self, model, tmp_path) -> None:
+    def __init__(self, model, tmp_path, kind: str) -> None:
         self.model, self.tmp_path = model, tmp_path
         self.workers: dict[str, Served] = {}
         self.router = self.front = None
         try:
             for name in NAMES:
                 self.workers[name] = self._start(name)
-            self.router = Router([self.url(name) for name in NAMES], "cache_aware", self.workers["w1"].model)
+            self.router = Router([self.url(name) for name in NAMES], "cache_aware", self.workers["w1"].model, kind)
             self.front = Front(self.router, {name: self.url(name).removeprefix("http://") for name in NAMES})
         except BaseException:
             self.stop()
@@ -48,21 +48,24 @@ class Cluster:
         served.process.wait()
 
     def restart(self, name: str) -> None:
-        """The same worker again: its name, pool, log and port."""
+        """The same worker again: its name, pool, log and port (the router and the front know it by
+        its address; the port was ephemeral, and nothing on loopback binds it in between but a
+        rare outgoing connection, which would fail the restart with a clear "cannot listen")."""
         old = self.workers[name]
         self.workers[name] = self._start(name, pool=old.pool, port=old.address[1])
 
     def stop(self) -> None:
+        """Everything ended and removed; then the workers' exit codes checked (0, or -9 killed)."""
         for part in (self.front, self.router):
             if part is not None:
                 part.stop()
-        for served in self.workers.values():
-            assert served.stop() in (0, -9)
+        codes = {name: served.stop() for name, served in self.workers.items()}
+        assert set(codes.values()) <= {0, -9}, codes
 
 
-@pytest.fixture
-def cluster(tiny_models, tmp_path):
-    running = Cluster(tiny_models["f32"].gguf, tmp_path)
+@pytest.fixture(params=sorted(ROUTERS))
+def cluster(request, tiny_models, tmp_path):
+    running = Cluster(tiny_models["f32"].gguf, tmp_path, request.param)
     yield running
     running.stop()
 
@@ -143,6 +146,9 @@ def test_sessions_reach_their_worker_survive_the_others_death_and_resume_from_th
     other = next(s for s, owner in sessions.items() if owner == "w2")
     status, body, worker = request(cluster.url("w1"), "GET", f"/v1/sessions/{other}")
     assert (status, worker) == (421, "w1") and "`w2`" in body["error"]["message"]
+    for unknown in ("w3.0123abcd", "0123abcd"):  # the front names what it cannot route
+        status, body, _ = request(front, "GET", f"/v1/sessions/{unknown}")
+        assert (status, body["error"]["code"]) == (404, "unknown_worker")
 
     # each prefix lives on the worker that served it first
     holder = {p: ask(cluster, p, 0)[0] for p in range(2)}
