@@ -1,7 +1,7 @@
 """Every comparison superfluid is judged on, in one run on this machine, written where readers look.
 
-    .venv/bin/python benchmarks/suite.py            # SmolLM2-135M, the full sizes (about 20 minutes on 2 cores)
-    .venv/bin/python benchmarks/suite.py --quick    # small sizes, into benchmarks/results/quick/ (about 4 minutes)
+    .venv/bin/python benchmarks/suite.py            # SmolLM2-135M, the full sizes (about 75 minutes on 2 cores)
+    .venv/bin/python benchmarks/suite.py --quick    # small sizes, into benchmarks/results/quick/ (about 5 minutes)
 
 Measured side by side in the same run, each a median with its range and a ratio to its comparison:
 
