@@ -84,8 +84,14 @@ class InProcess:
         self.connection, child_end = context.Pipe()
         self.process = context.Process(target=_host_child, args=(child_end, str(model), pool, str(log_dir), n_ctx))
         self.process.start()
-        if self.connection.recv() != "ready":
-            raise RuntimeError("the in-process Host did not start")
+        child_end.close()  # the child holds its end now: if it dies, recv() ends instead of waiting forever
+        try:
+            started = self.connection.recv()
+        except EOFError:
+            started = None
+        if started != "ready":
+            self.process.join(timeout=60)
+            raise RuntimeError(f"the in-process Host's child exited ({self.process.exitcode}) before it started")
 
     def decode(self, prompts: list[str], tokens: int) -> float:
         """Aggregate tokens/s of the child's Host on `prompts`."""
