@@ -85,15 +85,9 @@ def go_idle(served: servers.Served, count: int, tokens: int) -> None:
 def first_token(served: servers.Served, system: str, question: str) -> float:
     """Seconds until the first text of a streamed one-line chat."""
     extra = {"priority": "interactive"} if served.label == servers.OURS else {}
-    start = time.perf_counter()
-    stream = served.client.chat.completions.create(model=served.model, max_tokens=8, stream=True, extra_body=extra,
-                                                   messages=[{"role": "system", "content": system},
-                                                             {"role": "user", "content": question}])
-    seconds = None
-    for chunk in stream:
-        if seconds is None and chunk.choices and chunk.choices[0].delta.content:
-            seconds = time.perf_counter() - start
-    return seconds if seconds is not None else time.perf_counter() - start
+    return servers.first_text_seconds(served.client, served.model, [{"role": "system", "content": system},
+                                                                    {"role": "user", "content": question}], 8,
+                                      extra_body=extra)
 
 
 def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:

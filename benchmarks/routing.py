@@ -181,18 +181,6 @@ def load_of(sizes: RoutingSizes) -> list[list[dict]]:
     return requests
 
 
-def first_token(client: openai.OpenAI, model: str, messages: list[dict]) -> float:
-    """Seconds until a streamed chat's first text."""
-    start = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=REPLY_TOKENS,
-                                            temperature=0.0, stream=True)
-    first = None
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - start
-    return first if first is not None else time.perf_counter() - start
-
-
 def routed(run: Run, model: Path, policy: str, sizes: RoutingSizes, tick: Callable[[str], None]) -> None:
     """The load through the router with `policy`, on two fresh workers."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -204,8 +192,9 @@ def routed(run: Run, model: Path, policy: str, sizes: RoutingSizes, tick: Callab
             try:
                 before = sum(w.counts()["prompt"] for w in workers)
                 with ThreadPoolExecutor(sizes.concurrency) as pool:
-                    seconds = list(pool.map(lambda m: first_token(router.client, workers[0].model, m),
-                                            load_of(sizes)))
+                    seconds = list(pool.map(
+                        lambda m: servers.first_text_seconds(router.client, workers[0].model, m, REPLY_TOKENS, temperature=0.0),
+                        load_of(sizes)))
                 prefilled = sum(w.counts()["prompt"] for w in workers) - before
                 per_worker = {name: served_chats(w) for name, w in zip(("w1", "w2"), workers)}
             finally:

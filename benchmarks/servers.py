@@ -155,6 +155,20 @@ def end(process: subprocess.Popen, grace: float = 60) -> None:
             process.wait()
 
 
+def first_text_seconds(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int,
+                       **options) -> float:
+    """Seconds until a streamed chat's first text (the whole stream is read); `options` go to the
+    request as they are (temperature, extra_body)."""
+    start = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=True,
+                                            **options)
+    seconds = None
+    for chunk in stream:
+        if seconds is None and chunk.choices and chunk.choices[0].delta.content:
+            seconds = time.perf_counter() - start
+    return seconds if seconds is not None else time.perf_counter() - start
+
+
 def start_ours(model: Path, n_ctx: int, scratch: str, *, pool: str | None = None, threads: int = 2,
                extra: tuple[str, ...] = ()) -> Served:
     """`superfluid serve` on `model` through llama.cpp on `threads` threads, on a pool (`pool`,
