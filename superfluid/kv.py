@@ -198,6 +198,10 @@ class KVManager:
             self._open(live, self.engine.new_sequence(), 0)
             if source.pool_tokens > 0:
                 self._open(live, live.seq, self._import(live, source.match.entry_id, source.pool_tokens))
+                # The pool holds what came in, so only what follows it is unexported: counted
+                # from the session's start, a request resumed from a long cached prefix would be
+                # checkpointed (its whole KV copied out again) at its first token.
+                live.since_park = len(live.state.tokens) - live.kv
         self.release_held(live)
 
     def _import(self, live: Live, entry: int, keep: int) -> int:

@@ -275,6 +275,27 @@ def test_idle_lanes_leave_the_engine_while_others_decode_and_come_back_by_import
     assert host.stats().imports == 1
 
 
+def test_a_request_resumed_from_a_cached_prefix_checkpoints_only_what_follows_it(cell_host):
+    # A chat client's next request is a new session whose history the pool holds: the import is
+    # the one copy it costs until its own tokens reach checkpoint_tokens.
+    host, _ = cell_host(cells=8192, checkpoint_tokens=32)
+    first = host.session()
+    first.append_tokens(prompt(0, 600))
+    first.generate(max_tokens=4, ignore_eos=True).collect()
+    history = first.tokens
+    host.call(host.commands.retire, first.id)  # as a one-shot request ends: its KV parked, it is gone
+    before = host.stats()
+    following = host.session()
+    following.append_tokens(history + [5, 6, 7])
+    turn = following.generate(max_tokens=20, ignore_eos=True)
+    turn.collect()
+    after = host.stats()
+    assert turn.cached_tokens == len(history) - 1 and after.imports - before.imports == 1
+    assert after.exports == before.exports  # 3 + 20 tokens of its own: under the 32 of a checkpoint
+    following.generate(max_tokens=20, ignore_eos=True).collect()
+    assert host.stats().exports == before.exports + 1  # past 32 of its own: checkpointed once
+
+
 def test_a_lane_idle_past_idle_park_seconds_is_parked(cell_host):
     host, engine = cell_host(cells=4096, idle_park_seconds=0)
     s = host.session()
