@@ -183,22 +183,56 @@ def on_simulated_time(monkeypatch, engine) -> None:
     monkeypatch.setattr(scheduler, "perf_counter", lambda: engine.now)
 
 
+def fed_to(engine, seq: int) -> list[int]:
+    """The tokens each step fed to sequence `seq`, in order."""
+    return [n for step in engine.steps for s, n in step if s == seq]
+
+
+def prompt_chunks(fed: list[int], prompt_tokens: int) -> list[int]:
+    """The prefill steps among a lane's `fed` counts: those until its prompt is all in."""
+    chunks = []
+    while sum(chunks) < prompt_tokens:
+        chunks.append(fed[len(chunks)])
+    return chunks
+
+
 def test_slow_steps_cut_prefill_to_the_tick_without_a_runt_tail(cell_host, monkeypatch):
-    # 5 ms a token: a 50 ms tick holds 10 tokens
+    # 5 ms a token: a 50 ms tick holds 10 tokens, the decoding lane's one among them
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), tick_seconds=0.05)
     on_simulated_time(monkeypatch, engine)
-    _, generations = start(host, [prompt(0, 1003)], max_tokens=2)
-    generations[0].collect()
-    # unmeasured, the first step takes the whole budget; then 10 at a time, and the last 11 together
-    assert [step[0][1] for step in engine.steps] == [512] + [10] * 48 + [11, 1]
+    _, generations = start(host, [prompt(0, 1003), prompt(1, 10)], max_tokens=100)
+    for g in generations:
+        g.collect()
+    (short, _), (long, _) = engine.steps[0]  # the short prompt first, then what the budget has left
+    assert fed_to(engine, short)[:1] == [10] and set(fed_to(engine, short)[1:]) == {1}
+    # unmeasured, the first step takes the whole budget; then 9 or 10 a tick beside the decoding
+    # lane's token (the measured cost is a moving average, so float rounding moves the cut by one),
+    # and no runt tail: the last chunk takes what a tick-sized one would have left
+    chunks = prompt_chunks(fed_to(engine, long), 1003)
+    assert chunks[0] == 502 and all(9 <= n <= 10 for n in chunks[1:-1]) and len(chunks) > 40
+    assert scheduler.MIN_PREFILL_CHUNK <= chunks[-1] < 10 + scheduler.MIN_PREFILL_CHUNK
 
 
 def test_the_tick_never_cuts_prefill_below_the_smallest_chunk(cell_host, monkeypatch):
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), tick_seconds=0.05)  # 1 token a tick
     on_simulated_time(monkeypatch, engine)
-    _, generations = start(host, [prompt(0, 600)], max_tokens=1)
-    generations[0].collect()
-    assert [step[0][1] for step in engine.steps] == [512] + [scheduler.MIN_PREFILL_CHUNK] * 11
+    _, generations = start(host, [prompt(0, 600), prompt(1, 10)], max_tokens=30)
+    for g in generations:
+        g.collect()
+    long = engine.steps[0][1][0]
+    assert prompt_chunks(fed_to(engine, long), 600) == [502] + [scheduler.MIN_PREFILL_CHUNK] * 11 + [10]
+
+
+def test_with_no_lane_decoding_a_step_carries_a_whole_turn_whatever_the_tick(cell_host, monkeypatch):
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), tick_seconds=0.05)  # 1 token a tick
+    on_simulated_time(monkeypatch, engine)
+    session = host.session()
+    session.append_tokens(prompt(0, 700))
+    session.generate(max_tokens=1, ignore_eos=True).collect()
+    assert [n for step in engine.steps for _, n in step] == [512, scheduler.WHOLE_PROMPT, scheduler.WHOLE_PROMPT, 60]
+    session.append_tokens(prompt(1, 40))  # the next turn of a conversation: one step
+    session.generate(max_tokens=1, ignore_eos=True).collect()
+    assert [n for step in engine.steps[4:] for _, n in step] == [40 + 1]  # with the last reply token
 
 
 def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
@@ -215,7 +249,10 @@ def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow
         g.collect()
     after = engine.steps[queued:]
     assert [n for _, n in after[0]] == [40]  # the chat first, whole, alone
-    assert all(n <= 10 + 7 for step in after[2:] for _, n in step)  # the long ones still tick-sized
+    # the long ones tick-sized beside a decoding lane; with none decoding, in WHOLE_PROMPT steps
+    beside = [step for step in after[2:] if any(n == 1 for _, n in step) and any(n > 1 for _, n in step)]
+    assert beside and all(n <= 10 + 7 for step in beside for _, n in step)
+    assert all(n <= scheduler.WHOLE_PROMPT for step in after[2:] for _, n in step)
 
 
 def test_decode_is_never_held_back_by_prefill(cell_host):
