@@ -106,8 +106,13 @@ class ChatTemplate:
         """The text `message` adds after `messages`."""
         # Before the first message nothing is rendered yet; and real templates cannot render an
         # empty conversation (Llama 3's and Qwen's read messages[0]).
-        before = self.render(messages) if messages else ""
-        return self._difference(before, self.render([*messages, message]))
+        return self.extend(self.render(messages) if messages else "", [*messages, message])[0]
+
+    def extend(self, before: str, messages: Sequence[dict]) -> tuple[str, str]:
+        """(the text the last of `messages` adds, the rendering of them all), where `before` is
+        the rendering of the others ("" for none)."""
+        after = self.render(messages)
+        return self._difference(before, after), after
 
     def opening(self, messages: Sequence[dict]) -> str:
         """The text that opens the assistant's turn after `messages`."""

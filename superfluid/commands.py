@@ -15,6 +15,7 @@ from engines.errors import EngineError
 from kvpool import EntryNotFound
 from superfluid import sampling as sampler
 from superfluid.chat import ChatTemplate, TemplateRewrites
+from superfluid.conversation_cache import ConversationCache
 from superfluid.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
 from superfluid.lane import Job, Live
 from superfluid.log import Deleted, Opened, SessionLog, Tokens, Trimmed, Turn
@@ -48,6 +49,7 @@ class Commands:
         self.engine, self.descriptor = scheduler.engine, scheduler.descriptor
         self.sessions = scheduler.sessions
         self._chat: ChatTemplate | None = None
+        self._conversations: ConversationCache | None = None
 
     def _live(self, session_id: str, *, idle: bool = False) -> Live:
         live = self.sessions.get(session_id)
@@ -67,6 +69,12 @@ class Commands:
             self._chat = ChatTemplate(info.chat_template, special(info.bos_token),
                                       special(info.eos_tokens[0] if info.eos_tokens else None))
         return self._chat
+
+    def conversations(self) -> ConversationCache:
+        """Recent requests' histories as tokens (made on first use)."""
+        if self._conversations is None:
+            self._conversations = ConversationCache(self.template(), lambda text: self.engine.tokenize(text, special=True))
+        return self._conversations
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -219,8 +227,8 @@ class Commands:
         On any refusal (Overloaded, ContextFull, a bad value) the session is deleted again."""
         session_id = self.create(None, None, sampler.Sampling(**request.sampling), "default")
         try:
-            for role, content in request.messages:
-                self.append_message(session_id, role, content)
+            if request.messages:
+                self._open_conversation(session_id, request.messages)
             if request.text is not None:
                 self.append_text(session_id, request.text)
             return session_id, self.generate(session_id, request.max_tokens, list(request.stop), None, {},
@@ -229,6 +237,22 @@ class Commands:
         except BaseException:
             self.delete(session_id)
             raise
+
+    def _open_conversation(self, session_id: str, messages: tuple[tuple[str, str], ...]) -> None:
+        """A new session's whole history, as `append_message` one at a time would add it, in one
+        log append, rendering only what recent requests did not (see ConversationCache)."""
+        live = self._live(session_id, idle=True)
+        try:
+            pieces = self.conversations().tokens(messages)
+        except TemplateRewrites:  # each message in turn, the history rendered again where it must be
+            for role, content in messages:
+                self.append_message(session_id, role, content)
+            return
+        tokens, turns, start = [], [], len(live.state.tokens)
+        for (role, content), piece in zip(messages, pieces):
+            tokens += piece
+            turns.append(Turn(session_id, role, content, start + len(tokens)))
+        self.scheduler.commit(live, tokens, *turns)
 
     def close_turn(self, live: Live, job: Job) -> None:
         """After a chat generation: the assistant's message, and the template's end-of-turn text."""

@@ -116,28 +116,6 @@ def test_raise_exception_is_a_chat_error_naming_the_templates_message():
     assert template_source
 
 
-@pytest.fixture
-def template_host(tmp_path):
-    """template_host(template) -> a Host on a tiny model that ships `template`; closed after the test."""
-    from superfluid import Host
-    from tests import tinymodels
-    from tests.conftest import remove_segment, unique_pool_name
-
-    opened = []
-
-    def make(template: str) -> Host:
-        model = tinymodels.build(tmp_path / f"model-{len(opened)}", "f32", chat_template=template)
-        pool = unique_pool_name()
-        opened.append((Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / f"log-{len(opened)}",
-                            llamacpp_threads=2, llamacpp_n_ctx=2048, idle_park_seconds=None), pool))
-        return opened[-1][0]
-
-    yield make
-    for host, pool in opened:
-        host.close()
-        remove_segment(pool)
-
-
 # Like Qwen3's: a past assistant turn loses its reasoning once a user speaks after it.
 DROPS_PAST_REASONING = (
     "{% for m in messages %}{% set content = m.content %}"

@@ -1,0 +1,55 @@
+"""The tokens of recent conversations' messages, so that a client sending a conversation's whole
+history with every request (as OpenAI's chat API asks) costs one rendering per new message.
+
+A session takes chat messages one at a time, each as the difference between the conversation
+rendered with it and without it (see chat.py). A request that opens a session with its whole
+history would render every message twice, each time with all those before it: work that grows
+with the square of the history. For the 80 messages of a 40-turn conversation that took 86 ms on
+a busy 2-core CPU, against 0.28 ms for one rendering of the whole. Here each request's messages
+are kept with their tokens for a while, and the next request renders only the messages after the
+longest history it shares with a recent one: the reply and the new question.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from superfluid.chat import ChatTemplate
+
+Message = tuple[str, str]  # (role, content)
+
+
+class ConversationCache:
+    """The rendering and per-message tokens of the last `conversations` requests' histories."""
+
+    def __init__(self, template: ChatTemplate, tokenize: Callable[[str], list[int]], conversations: int = 32) -> None:
+        """`tokenize`: text to token ids, special tokens parsed (as the session's messages are)."""
+        self.template, self.tokenize, self.conversations = template, tokenize, conversations
+        # history -> (its rendering, each message's tokens); the most recently used last. Token
+        # lists are shared between a history and those that continue it, never changed.
+        self._recent: OrderedDict[tuple[Message, ...], tuple[str, tuple[list[int], ...]]] = OrderedDict()
+        self.rendered = 0  # messages rendered (the others came from here)
+
+    def tokens(self, messages: Sequence[Message]) -> tuple[list[int], ...]:
+        """Each message's tokens, as appending them one at a time to an empty session gives them.
+        TemplateRewrites when the template renders an earlier message differently once a later
+        one is added (nothing is kept then)."""
+        history = tuple(messages)
+        shared = next((n for n in range(len(history), 0, -1) if history[:n] in self._recent), 0)
+        text, pieces = self._recent[history[:shared]] if shared else ("", ())
+        if shared:
+            self._recent.move_to_end(history[:shared])
+        as_dicts = [{"role": role, "content": content} for role, content in history]
+        added = []
+        for n in range(shared + 1, len(history) + 1):
+            addition, text = self.template.extend(text, as_dicts[:n])
+            added.append(self.tokenize(addition))
+        self.rendered += len(added)
+        pieces = (*pieces, *added)
+        if history:
+            self._recent[history] = (text, pieces)
+            self._recent.move_to_end(history)
+            while len(self._recent) > self.conversations:
+                self._recent.popitem(last=False)
+        return pieces

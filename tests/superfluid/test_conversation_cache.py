@@ -1,0 +1,121 @@
+"""A request carrying a conversation's whole history is rendered a new message at a time: the
+tokens are those appending each message in turn gives, and the history a recent request sent is
+not rendered again."""
+
+import pytest
+
+from superfluid.chat import ChatTemplate, TemplateRewrites
+from superfluid.commands import OneShot
+from superfluid.conversation_cache import ConversationCache
+from tests import realtemplates
+from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING, REAL_CONVERSATIONS, TOKENS
+
+
+def characters(text: str) -> list[int]:
+    """A tokenizer whose tokens show exactly which text was tokenized."""
+    return [ord(c) for c in text]
+
+
+def one_at_a_time(template: ChatTemplate, messages) -> list[list[int]]:
+    """Each message's tokens as a session appending them in turn gets them (ChatTemplate.turn)."""
+    as_dicts = [{"role": role, "content": content} for role, content in messages]
+    return [characters(template.turn(as_dicts[:i], message)) for i, message in enumerate(as_dicts)]
+
+
+def conversation(turns: int) -> list[tuple[str, str]]:
+    """A system message, then `turns` questions and answers."""
+    out = [("system", "Be brief.")]
+    for i in range(turns):
+        out += [("user", f"Question {i}?"), ("assistant", f"Answer {i}.")]
+    return out
+
+
+def test_each_request_renders_only_what_follows_the_history_a_recent_one_sent():
+    template = ChatTemplate(None)
+    cache = ConversationCache(template, characters)
+    history = conversation(0)
+    for turn in range(20):
+        history = [*history, ("user", f"Question {turn}?")]
+        before = cache.rendered
+        assert list(cache.tokens(history)) == one_at_a_time(template, history)
+        # the first request renders its 2 messages; each later one the reply and the question
+        assert cache.rendered - before == 2
+        history = [*history, ("assistant", f"Answer {turn}.")]
+    before = cache.rendered
+    again = history[:-1]  # the same request again (a retry): nothing rendered
+    assert list(cache.tokens(again)) == one_at_a_time(template, again) and cache.rendered == before
+
+
+def test_a_new_conversation_renders_each_message_once():
+    template = ChatTemplate(None)
+    cache = ConversationCache(template, characters)
+    history = conversation(40)
+    assert list(cache.tokens(history)) == one_at_a_time(template, history)
+    assert cache.rendered == len(history)
+
+
+def test_it_keeps_the_most_recently_used_conversations_only():
+    cache = ConversationCache(ChatTemplate(None), characters, conversations=2)
+    first, second, third = ([("user", f"Conversation {i}")] for i in range(3))
+    for history in (first, second, first, third):  # `second` is the least recently used when `third` comes
+        cache.tokens(history)
+    rendered = cache.rendered
+    cache.tokens(first)
+    cache.tokens(third)
+    assert cache.rendered == rendered
+    cache.tokens(second)
+    assert cache.rendered == rendered + 1
+
+
+@pytest.mark.parametrize("model", ["Llama 3.1", "Qwen 2.5", "Qwen 3", "Mistral Nemo", "Phi 4", "Gemma 2"])
+def test_real_templates_give_the_tokens_of_one_message_at_a_time(model):
+    template = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS)
+    for name, messages in REAL_CONVERSATIONS.items():
+        if model == "Gemma 2" and messages[0]["role"] == "system":
+            continue  # its template refuses a system message
+        history = [(m["role"], m["content"]) for m in messages]
+        cache = ConversationCache(template, characters)
+        try:
+            expected = one_at_a_time(template, history)
+        except TemplateRewrites:  # Qwen 3 drops a past reply's reasoning: the cache says so too
+            with pytest.raises(TemplateRewrites):
+                cache.tokens(history)
+            continue
+        for n in range(1, len(history) + 1):  # request by request, as a client grows it
+            assert list(cache.tokens(history[:n])) == expected[:n], (model, name, n)
+
+
+def one_shot(host, messages) -> str:
+    """Start a chat request's own session on `messages` (1 token); its id."""
+    shot = OneShot(sampling={"temperature": 0.0}, messages=tuple(messages), max_tokens=1)
+    session_id, generation = host.call(host.commands.start_one_shot, shot)
+    generation.collect()
+    return session_id
+
+
+def test_a_request_holds_what_appending_its_messages_in_turn_holds(open_host):
+    host = open_host()
+    history = conversation(6) + [("user", "And now?")]
+    one_shot(host, history[:5])  # an earlier request of the same conversation
+    request = one_shot(host, history)
+    assert host.call(lambda: host.commands.conversations().rendered) == len(history)  # each message once
+    session = host.session()
+    for role, content in history:
+        session.append_message(role, content)
+    state, one_by_one = (host.call(lambda sid=sid: host.commands.sessions[sid].state) for sid in (request, session.id))
+    # then come the generation prompt, the token generated, and the reply's message
+    assert state.tokens[:len(one_by_one.tokens)] == one_by_one.tokens
+    assert state.message_ends[:len(history)] == one_by_one.message_ends
+    assert state.messages[:len(history)] == one_by_one.messages
+
+
+def test_a_request_on_a_template_that_rewrites_past_turns_holds_what_the_whole_renders(template_host):
+    host = template_host(DROPS_PAST_REASONING)
+    history = [("user", "Hello there"), ("assistant", "<think>long reasoning here</think>Hi!"),
+               ("user", "How are you?")]
+    request = one_shot(host, history)
+    messages = [{"role": role, "content": content} for role, content in history]
+    whole = host.call(lambda: host.commands.engine.tokenize(
+        ChatTemplate(DROPS_PAST_REASONING).render(messages, generation_prompt=True), special=True))
+    state = host.call(lambda: host.commands.sessions[request].state)
+    assert state.tokens[:len(whole)] == whole and state.messages[:3] == messages
