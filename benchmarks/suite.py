@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import (conversations, decode_bound, host_ratios, load, over_http, report, restore,  # noqa: E402
-                        routing, servers, ttft)
+                        routing, sampling, servers, ttft)
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.regression import compare  # noqa: E402
 from engines import models  # noqa: E402
@@ -79,13 +79,15 @@ class Sizes:
     load: load.LoadSizes
     conversations: conversations.ConversationSizes
     routing: routing.RoutingSizes
+    sampling_calls: int  # tokens sampled per figure
 
     def ttft_repeat(self, context: int) -> int:
         """Samples at one context length (the long ones cost minutes each on 2 cores)."""
         return self.ttft_repeat_short if context <= 1024 else self.ttft_repeat_long
 
-    def steps(self, engines: int) -> int:
-        """Progress-bar steps the run takes with `engines` engine-level runs (runtimes and models)."""
+    def steps(self, engines: int, models: int) -> int:
+        """Progress-bar steps the run takes with `engines` engine-level runs (runtimes and models)
+        and `models` models sampled from."""
         per_engine = len(self.lengths) + sum(self.ttft_repeat(c) for c in self.contexts)
         # bursts: ours, llama-cpp-python's with its cache and without, llama-server and with 8 slots;
         # decode on all but llama-cpp-python's with its cache
@@ -93,17 +95,19 @@ class Sizes:
         http = len(self.concurrency) + 1  # HTTP against in-process, /health beside half-open connections
         talks = len(conversations.SERVERS) * (self.conversations.samples + 1)  # second turns, a long conversation
         routed = len(routing.POLICIES)
-        return engines * per_engine + servers + http + talks + routed + 2 + 3 * 4  # + decode bound, interactive, 3 load shapes x 4
+        sampled = len(sampling.SETTINGS) * models
+        return (engines * per_engine + servers + http + talks + routed + sampled
+                + 2 + 3 * 4)  # + decode bound, interactive, 3 load shapes x 4
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,
              ttft_repeat_long=2, burst_requests=16, burst_prefix=1000, burst_repeat=2, concurrency=(1, 2, 4, 8),
              decode_tokens=128, decode_repeat=2, background=8, interactive_repeat=5, load=load.FULL,
-             conversations=conversations.FULL, routing=routing.FULL)
+             conversations=conversations.FULL, routing=routing.FULL, sampling_calls=200)
 QUICK = Sizes(lengths=(64, 128), restore_repeat=3, contexts=(64, 128), ttft_repeat_short=1, ttft_repeat_long=1,
               burst_requests=4, burst_prefix=128, burst_repeat=1, concurrency=(1, 2), decode_tokens=8, decode_repeat=1,
               background=2, interactive_repeat=2, load=load.QUICK,
-              conversations=conversations.QUICK, routing=routing.QUICK)
+              conversations=conversations.QUICK, routing=routing.QUICK, sampling_calls=10)
 
 
 def last_committed(path: Path) -> dict | None:
@@ -160,6 +164,9 @@ def run_all(sizes: Sizes, model: Path, runtimes: list[str], name: str, progress,
                   burst_repeat=sizes.burst_repeat, tick=tick)
     decode_bound.bench(run, model, list(sizes.concurrency), steps=32, repeat=sizes.decode_repeat, group=servers.DECODE,
                        ours=lambda count: f"{servers.OURS}: decode tokens/s, {count} at once", tick=tick)
+    progress.set_description("sampling")
+    sampling.bench(run, {"SmolLM2": model, **({"Gemma 3 270M": second} if second is not None else {})},
+                   calls=sizes.sampling_calls, repeat=sizes.decode_repeat + 1, tick=tick)
     progress.set_description("HTTP against in-process")
     over_http.bench(run, model, list(sizes.concurrency), sizes.decode_tokens, sizes.decode_repeat, tick)
     progress.set_description("interactive")
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     cpp_server.find_or_build(progress=print)  # before the bar: a first build takes minutes, and may fail
     try:
         engines = len(runtimes) + (second is not None)
-        with tqdm(total=sizes.steps(engines), unit="step", dynamic_ncols=True) as progress:
+        with tqdm(total=sizes.steps(engines, 1 + (second is not None)), unit="step", dynamic_ncols=True) as progress:
             run = run_all(sizes, Path(model), runtimes, "bench-quick" if args.quick else "bench", progress, second)
     finally:
         remove_own_pools()

@@ -6,7 +6,9 @@ resume after a crash or a preemption draw exactly what the uninterrupted stream 
 batching several sessions together changes nothing about any one of them.
 
 The filters run in llama.cpp's usual order: repetition penalty, top-k, top-p, min-p, then
-temperature; temperature 0 is greedy (the first highest logit).
+temperature; temperature 0 is greedy (the first highest logit). The draw walks the candidates
+most likely first where top-k or top-p ordered them, else in token-id order: either way each
+candidate is drawn with its probability.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def uniform(seed: int, position: int) -> float:
 def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequence[int] = ()) -> int:
     """The token for stream position `position` given its `logits` (1-D) and the `recent` tokens
     before it (for the repetition penalty)."""
-    scores = np.asarray(logits, dtype=np.float64).copy()
+    scores = np.array(logits, dtype=np.float64)  # a copy: the penalty writes into it
     if sampling.repetition_penalty != 1.0 and recent and sampling.repetition_window:
         seen = np.unique(np.asarray(recent[-sampling.repetition_window:], dtype=np.int64))
         seen = seen[(seen >= 0) & (seen < scores.size)]
@@ -94,22 +96,65 @@ def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequen
         scores[seen] = np.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
     if sampling.greedy:
         return int(np.argmax(scores))
-    order = np.argsort(-scores, kind="stable")  # ties keep the lower token id first
-    if sampling.top_k:
-        order = order[:sampling.top_k]
-    kept = scores[order]
-    probabilities = np.exp(kept - kept[0])
-    probabilities /= probabilities.sum()
+    # The candidates, as token ids. Nothing sorts the whole vocabulary: a full sort cost 6 ms a
+    # token at SmolLM2's 49,152 ids and 46 ms at Gemma 3's 262,144 on 2 cores, against decode
+    # steps of 15 and 30 ms.
+    peak = scores.max()
+    candidates = None  # None: every id, in id order
+    if sampling.top_k and sampling.top_k < scores.size:
+        candidates = _best(scores, sampling.top_k)
     if sampling.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probabilities), sampling.top_p) + 1)
-        order, kept = order[:cut], kept[:cut]
+        candidates = _nucleus(scores, peak, sampling.top_p, candidates)
+    kept = scores if candidates is None else scores[candidates]
     if sampling.min_p > 0.0:
-        keep = np.exp(kept - kept[0]) >= sampling.min_p
-        order, kept = order[keep], kept[keep]
-    weights = np.exp((kept - kept[0]) / sampling.temperature)
+        keep = np.exp(kept - peak) >= sampling.min_p
+        candidates = (np.flatnonzero(keep) if candidates is None else candidates[keep])
+        kept = kept[keep]
+    weights = np.exp((kept - peak) / sampling.temperature)
     cumulative = np.cumsum(weights)
     draw = uniform(sampling.seed, position) * cumulative[-1]
-    return int(order[min(int(np.searchsorted(cumulative, draw, side="right")), len(order) - 1)])
+    chosen = min(int(np.searchsorted(cumulative, draw, side="right")), len(kept) - 1)
+    return chosen if candidates is None else int(candidates[chosen])
+
+
+def _best(scores: np.ndarray, n: int) -> np.ndarray:
+    """The ids of the `n` highest scores, highest first, ties to the lower id (as a stable sort
+    of the whole would order them), found by partition."""
+    if n >= scores.size:
+        return np.argsort(-scores, kind="stable")
+    threshold = scores[np.argpartition(-scores, n - 1)[n - 1]]
+    above = np.flatnonzero(scores > threshold)
+    chosen = np.sort(np.concatenate((above, np.flatnonzero(scores == threshold)[:n - above.size])))
+    return chosen[np.argsort(-scores[chosen], kind="stable")]
+
+
+# Top-p without top-k groups the vocabulary by score in buckets of 1/16 of a logit: the buckets'
+# probability mass says which tokens are surely in the nucleus and which bucket it ends in, and
+# only that bucket is sorted. Sorting more (the best 64, 512, 4,096, ... until they reached top_p)
+# took 4.1 ms a token on SmolLM2's logits, whose nucleus at 0.95 holds thousands of tokens.
+BUCKETS_PER_LOGIT = 16
+BUCKETS = 4096  # the last one also takes everything 256 logits or more below the best
+
+
+def _nucleus(scores: np.ndarray, peak: float, top_p: float, candidates: np.ndarray | None) -> np.ndarray:
+    """The fewest most likely candidates (ordered, or every id when None) whose probabilities,
+    normalised over the candidates, reach `top_p`; ties at the edge go to the lower ids. Ordered
+    candidates stay ordered; of every id, the nucleus comes in id order."""
+    if candidates is not None:  # already the few best, in order
+        probabilities = np.exp(scores[candidates] - peak)
+        cumulative = np.cumsum(probabilities) / probabilities.sum()
+        return candidates[:int(np.searchsorted(cumulative, top_p)) + 1]
+    weights = np.exp(scores - peak)
+    target = top_p * weights.sum()
+    bucket = np.minimum((peak - scores) * BUCKETS_PER_LOGIT, BUCKETS - 1).astype(np.int64)
+    below = np.cumsum(np.bincount(bucket, weights=weights, minlength=BUCKETS))  # mass of buckets 0..j
+    edge = min(int(np.searchsorted(below, target)), BUCKETS - 1)  # the bucket where it reaches top_p
+    needed = target - (below[edge - 1] if edge else 0.0)
+    inside = bucket < edge
+    last = np.flatnonzero(bucket == edge)  # ascending ids: a stable sort sends ties to the lower id
+    last = last[np.argsort(-scores[last], kind="stable")]
+    inside[last[:int(np.searchsorted(np.cumsum(weights[last]), needed)) + 1]] = True
+    return np.flatnonzero(inside)
 
 
 def logprobs(logits: np.ndarray, token: int, top: int, spell: Callable[[int], bytes]) -> TokenLogprobs:

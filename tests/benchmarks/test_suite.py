@@ -131,7 +131,8 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
                   "restore: ours against the engine's own cache (llama.cpp)",
                   "restore: ours against the engine's own cache (MLX)", suite.ttft.GROUP, suite.servers.BURST,
                   suite.servers.DECODE, suite.INTERACTIVE, suite.restore.MEMORY, suite.load.GROUP,
-                  suite.over_http.GROUP, suite.servers.PEER_GROUP, suite.conversations.GROUP, suite.routing.GROUP):
+                  suite.over_http.GROUP, suite.servers.PEER_GROUP, suite.conversations.GROUP, suite.routing.GROUP,
+                  suite.sampling.GROUP):
         assert grouped.get(group), f"nothing measured for {group!r}"
     for label, ratio in result["ratios"].items():
         assert ratio["value"] > 0 and ratio["low"] <= ratio["value"] <= ratio["high"], label
@@ -173,6 +174,9 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         assert routed[label]["value"] > 0, label
     for policy in suite.routing.POLICIES:
         assert sum(notes[f"routing, {policy}: requests each worker served"].values()) == 8, policy
+    sampled = dict(grouped[suite.sampling.GROUP])
+    for name, _ in suite.sampling.SETTINGS:
+        assert sampled[f"SmolLM2 (49,152 ids), {name}: llama.cpp's chain / ours"]["value"] > 0, name
     bound = dict(grouped[suite.servers.DECODE])
     assert bound["decode tokens/s, 2 at once: ours / the engine's bound"]["value"] > 0
     assert "decode tokens/s: the engine alone at 2 at once / at 1" in bound

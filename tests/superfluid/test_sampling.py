@@ -42,3 +42,60 @@ def test_the_repetition_penalty_turns_away_from_recent_tokens():
 def test_bad_settings_are_named(field, value):
     with pytest.raises(SamplingError, match=f"sampling {field}="):
         Sampling(**{field: value})
+
+
+def reference_candidates(logits: np.ndarray, settings: Sampling) -> set[int]:
+    """The tokens the filters leave, by their definition: the whole vocabulary sorted (most likely
+    first, ties to the lower id), cut by top-k, then top-p, then min-p."""
+    scores = logits.astype(np.float64)
+    order = np.argsort(-scores, kind="stable")
+    if settings.top_k:
+        order = order[:settings.top_k]
+    probabilities = np.exp(scores[order] - scores[order[0]])
+    probabilities /= probabilities.sum()
+    if settings.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probabilities), settings.top_p)) + 1
+        order, probabilities = order[:cut], probabilities[:cut]
+    if settings.min_p > 0.0:
+        order = order[probabilities / probabilities[0] >= settings.min_p]
+    return set(order.tolist())
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64, 100, 999, 1000])
+def test_the_best_few_are_found_as_a_sort_of_the_whole_would_order_them(n):
+    from superfluid.sampling import _best
+
+    scores = np.random.default_rng(n).integers(0, 40, 1000).astype(np.float64)  # many ties
+    assert _best(scores, n).tolist() == np.argsort(-scores, kind="stable")[:n].tolist()
+
+
+@pytest.mark.parametrize("settings", [Sampling(temperature=1.0, top_k=5), Sampling(temperature=1.0, top_p=0.5),
+                                      Sampling(temperature=1.0, top_p=0.99), Sampling(temperature=1.0, min_p=0.2),
+                                      Sampling(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)],
+                         ids=lambda s: f"k{s.top_k}-p{s.top_p}-m{s.min_p}")
+def test_the_filters_leave_the_tokens_their_definition_leaves(settings):
+    # A flat distribution over 5,000 ids, so that top-p needs far more than the first few best.
+    logits = np.random.default_rng(3).normal(0.0, 0.5, 5000).astype(np.float32)
+    logits[:10] = logits.max()  # ties at the top
+    allowed = reference_candidates(logits, settings)
+    drawn = {sample(logits, settings, p) for p in range(3000)}
+    assert drawn <= allowed
+    if len(allowed) <= 50:
+        assert drawn == allowed  # 3,000 draws reach each of a few candidates
+
+
+def test_draws_follow_the_tempered_distribution():
+    logits = np.array([2.0, 1.0, 0.0, 1.0, -1.0])
+    settings = Sampling(temperature=0.7, seed=5)
+    draws = np.bincount([sample(logits, settings, p) for p in range(20000)], minlength=logits.size) / 20000
+    expected = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    assert np.abs(draws - expected).max() < 0.015  # the draws are fixed by (seed, position): no flake
+
+
+def test_top_p_ending_inside_a_tie_keeps_the_lower_ids():
+    logits = np.zeros(40)
+    top = [3, 7, 11, 19, 23, 29, 31, 37, 2, 5]
+    logits[top] = 5.0  # ten equally likely: 0.35 of the mass takes four of them
+    settings = Sampling(temperature=1.0, top_p=0.35)
+    assert reference_candidates(logits, settings) == {2, 3, 5, 7}
+    assert {sample(logits, settings, p) for p in range(500)} == {2, 3, 5, 7}
