@@ -1,9 +1,10 @@
 """The bound on decode throughput: llama.cpp's own batched step, with nothing around it.
 
-One engine (2 threads, the Host's default settings) holds a sequence per request slot; each
-sample times repeated steps of one token for each of N sequences at once. What a server reaches
-at N requests at once can be read against this: on these CPUs a batch of 2 costs about what two
-single steps cost, so no scheduler above llama.cpp can make 2 requests decode faster than 1.
+One engine (2 threads, flash attention and 8,192 cells, as the servers run) holds a sequence per
+request slot; each sample times repeated steps of one token for each of N sequences at once.
+What a server reaches at N requests at once can be read against this: on these CPUs a batch of
+2 costs about what two single steps cost, so no scheduler above llama.cpp can make 2 requests
+decode faster than 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def bench(run: Run, model: Path, counts: list[int], steps: int, repeat: int, gro
           ours: Callable[[int], str], tick: Callable[[str], None]) -> None:
     """Tokens/s of `steps` one-token steps for each of `counts` sequences at once, and how close
     `ours(count)` (a figure already recorded, in tok/s) comes to it."""
-    engine = LlamaCppEngine(model, n_ctx=4096, threads=2, threads_batch=2, n_seq_max=max(counts))
+    # The settings the servers compared against it run with: `superfluid serve` turns flash
+    # attention on (faster on CPU; the engine's own default is off), and each server has 8,192 cells.
+    engine = LlamaCppEngine(model, n_ctx=8192, threads=2, threads_batch=2, n_seq_max=max(counts), flash_attn=True)
     try:
         sequences, prompt = [], len(engine.tokenize(text_of(32)))
         for i in range(max(counts)):
