@@ -122,10 +122,13 @@ def _best(scores: np.ndarray, n: int) -> np.ndarray:
     of the whole would order them), found by partition."""
     if n >= scores.size:
         return np.argsort(-scores, kind="stable")
-    threshold = scores[np.argpartition(-scores, n - 1)[n - 1]]
-    above = np.flatnonzero(scores > threshold)
-    chosen = np.sort(np.concatenate((above, np.flatnonzero(scores == threshold)[:n - above.size])))
-    return chosen[np.argsort(-scores[chosen], kind="stable")]
+    chosen = np.argpartition(scores, scores.size - n)[scores.size - n:]
+    threshold = scores[chosen].min()
+    if np.count_nonzero(scores == threshold) != np.count_nonzero(scores[chosen] == threshold):
+        # the partition split a tie at the edge: of the tied, the lower ids are the best
+        above = np.flatnonzero(scores > threshold)
+        chosen = np.concatenate((above, np.flatnonzero(scores == threshold)[:n - above.size]))
+    return chosen[np.lexsort((chosen, -scores[chosen]))]
 
 
 # Top-p without top-k groups the vocabulary by score in buckets of 1/16 of a logit: the buckets'
