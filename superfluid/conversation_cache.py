@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from superfluid.chat import ChatTemplate
+from superfluid.chat import ChatTemplate, TemplateRewrites
 
 Message = tuple[str, str]  # (role, content)
 
@@ -43,7 +43,13 @@ class ConversationCache:
         as_dicts = [{"role": role, "content": content} for role, content in history]
         added = []
         for n in range(shared + 1, len(history) + 1):
-            addition, text = self.template.extend(text, as_dicts[:n])
+            try:
+                addition, text = self.template.extend(text, as_dicts[:n])
+            except TemplateRewrites:
+                # a rendering kept here may be what no longer renders alike (a template that
+                # writes today's date): it goes, or every later request would fail on it again
+                self._recent.pop(history[:shared], None)
+                raise
             added.append(self.tokenize(addition))
         self.rendered += len(added)
         pieces = (*pieces, *added)

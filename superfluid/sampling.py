@@ -95,11 +95,20 @@ def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequen
         values = scores[seen]
         scores[seen] = np.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
     if sampling.greedy:
-        return int(np.argmax(scores))
+        token = int(np.argmax(scores))
+        if np.isfinite(scores[token]):
+            return token
+        scores, token = _without_nan(scores)
+        return token if token is not None else int(np.argmax(scores))
     # The candidates, as token ids. Nothing sorts the whole vocabulary: a full sort cost 6 ms a
     # token at SmolLM2's 49,152 ids and 46 ms at Gemma 3's 262,144 on 2 cores, against decode
     # steps of 15 and 30 ms.
     peak = scores.max()
+    if not np.isfinite(peak):
+        scores, token = _without_nan(scores)
+        if token is not None:
+            return token
+        peak = scores.max()
     candidates = None  # None: every id, in id order
     if sampling.top_k and sampling.top_k < scores.size:
         candidates = _best(scores, sampling.top_k)
@@ -115,6 +124,20 @@ def sample(logits: np.ndarray, sampling: Sampling, position: int, recent: Sequen
     draw = uniform(sampling.seed, position) * cumulative[-1]
     chosen = min(int(np.searchsorted(cumulative, draw, side="right")), len(kept) - 1)
     return chosen if candidates is None else int(candidates[chosen])
+
+
+def _without_nan(scores: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """Scores with a NaN (a broken step: an overflow, a bad quantisation) never drawn; and the
+    token that takes all the probability where a score is +inf (the first such). SamplingError
+    when no score is left to draw from, which ends this generation, not the host."""
+    scores[np.isnan(scores)] = -np.inf
+    peak = scores.max()
+    if peak == np.inf:
+        return scores, int(np.argmax(scores))
+    if peak == -np.inf:
+        raise SamplingError("the model's logits at this position are all NaN or -inf: the engine's step produced "
+                            "nothing to sample from (check the model file and its quantisation)")
+    return scores, None
 
 
 def _best(scores: np.ndarray, n: int) -> np.ndarray:

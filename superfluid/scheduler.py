@@ -442,7 +442,11 @@ class Scheduler:
         if job.keep_logits:
             job.generation.logits.append(logits.copy())
         position = len(state.tokens)
-        token = sampler.sample(logits, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
+        try:
+            token = sampler.sample(logits, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
+        except sampler.SamplingError as exc:  # nothing to sample from: this generation ends, the others go on
+            self.finish(live, "error", exc)
+            return
         self.commit(live, [token])
         job.produced += 1
         end_of_turn = token in self.descriptor.eos_tokens and not job.ignore_eos

@@ -119,3 +119,25 @@ def test_a_request_on_a_template_that_rewrites_past_turns_holds_what_the_whole_r
         ChatTemplate(DROPS_PAST_REASONING).render(messages, generation_prompt=True), special=True))
     state = host.call(lambda: host.commands.sessions[request].state)
     assert state.tokens[:len(whole)] == whole and state.messages[:3] == messages
+
+
+class Dated(ChatTemplate):
+    """ChatML opened by the day it is rendered on, as templates that write today's date are."""
+
+    day = 1
+
+    def render(self, messages, generation_prompt=False):
+        """The day, then ChatML."""
+        return f"day {self.day}\n" + super().render(messages, generation_prompt)
+
+
+def test_a_history_that_no_longer_renders_alike_is_forgotten():
+    template = Dated(None)
+    cache = ConversationCache(template, characters)
+    history = conversation(2)
+    cache.tokens(history)
+    template.day = 2  # midnight: the kept rendering no longer starts the conversation's rendering
+    longer = [*history, ("user", "And tomorrow?")]
+    with pytest.raises(TemplateRewrites):
+        cache.tokens(longer)  # the session then takes the messages one at a time
+    assert list(cache.tokens(longer)) == one_at_a_time(template, longer)  # rendered anew, not refused again

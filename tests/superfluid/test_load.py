@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 import pytest
 
 from superfluid import ContextFull, Host
 from superfluid import scheduler
 from superfluid.errors import Overloaded
+from superfluid.sampling import SamplingError
 from tests.cellengine import CellEngine
 from tests.conftest import remove_segment, unique_pool_name
 
@@ -397,3 +400,38 @@ def test_every_load_story_ends_with_the_cells_counted_as_the_engine_holds_them(c
         g.collect()
     check_cells(host, engine)
     assert host.stats().cells_reserved == 0
+
+
+class BrokenAfterToken(CellEngine):
+    """A CellEngine whose step gives NaN logits wherever the last token fed is `broken` (as a
+    step that overflowed would)."""
+
+    broken = 63
+
+    def step(self, requests):
+        """The cell engine's step, with NaN logits after the broken token."""
+        results = super().step(requests)
+        return [None if logits is None else (logits * np.nan if request.tokens[-1] == self.broken else logits)
+                for request, logits in zip(requests, results)]
+
+
+def test_a_step_with_nothing_to_sample_ends_its_generation_and_the_others_go_on(tmp_path):
+    name = unique_pool_name()
+    host = Host("cell-engine", engine_factory=lambda: BrokenAfterToken(4096), pool_name=name, pool_bytes=32 << 20,
+                log_dir=tmp_path / "log", idle_park_seconds=None)
+    try:
+        broken, healthy = host.session(), host.session()
+        broken.append_tokens(prompt(0, 20) + [BrokenAfterToken.broken])
+        healthy.append_tokens(prompt(1, 20))
+        failing = broken.generate(max_tokens=8, ignore_eos=True)
+        going = healthy.generate(max_tokens=8, ignore_eos=True)
+        with pytest.raises(SamplingError, match="all NaN or -inf"):
+            failing.collect()
+        going.collect()
+        assert len(going.tokens) == 8 and host.alive()
+        again = healthy.generate(max_tokens=2, ignore_eos=True)  # the host still serves
+        again.collect()
+        assert len(again.tokens) == 2 and broken.tokens[-1] == BrokenAfterToken.broken
+    finally:
+        host.close()
+        remove_segment(name)

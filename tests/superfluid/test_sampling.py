@@ -99,3 +99,14 @@ def test_top_p_ending_inside_a_tie_keeps_the_lower_ids():
     settings = Sampling(temperature=1.0, top_p=0.35)
     assert reference_candidates(logits, settings) == {2, 3, 5, 7}
     assert {sample(logits, settings, p) for p in range(500)} == {2, 3, 5, 7}
+
+
+@pytest.mark.parametrize("settings", [Sampling(), Sampling(temperature=1.0), Sampling(temperature=1.0, top_p=0.9),
+                                      Sampling(temperature=1.0, min_p=0.1), Sampling(temperature=1.0, top_k=2)],
+                         ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}-m{s.min_p}")
+def test_a_broken_step_s_logits_are_sampled_safely_or_refused_by_name(settings):
+    with_nan = np.array([1.0, np.nan, 3.0, np.nan, 2.0])
+    assert {sample(with_nan, settings, p) for p in range(200)} <= {0, 2, 4}  # a NaN is never drawn
+    assert sample(np.array([1.0, np.inf, 3.0, np.inf]), settings, 0) == 1  # +inf takes all the probability
+    with pytest.raises(SamplingError, match="all NaN or -inf"):
+        sample(np.array([np.nan, -np.inf, np.nan]), settings, 0)
