@@ -54,6 +54,10 @@ class Memory(msgspec.Struct, frozen=True):
     kind: str = "kv"
     window: int = 0  # positions a window layer keeps (0: no window layers)
     swa_full: bool = False  # llama.cpp keeps every position in the window layers' live cache too
+    # A window layer that has seen `window` positions or more can still be cut back within what it
+    # holds (llama.cpp's window cache); False: it cannot be cut at all (mlx-lm's RotatingKVCache
+    # is trimmable only while its offset is below its size).
+    cuts_wrapped_window: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in MEMORY_KINDS:
@@ -70,6 +74,8 @@ class Memory(msgspec.Struct, frozen=True):
         if keep >= held:
             return True
         if self.recurrent:
+            return False
+        if self.window and held >= self.window and not self.cuts_wrapped_window:
             return False
         # the next position, keep, reads keep - window + 1 .. keep - 1 in the window layers
         return not self.window or held_from <= max(0, keep - self.window + 1)
@@ -172,6 +178,9 @@ class Engine(Protocol):
 
     def length(self, seq: int) -> int:
         """Positions held by `seq`."""
+
+    def sequences(self) -> list[int]:
+        """The ids of the sequences alive (made and not yet freed), in ascending order."""
 
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One forward over several sequences; per request, its logits (rows, vocab) or None."""

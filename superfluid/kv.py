@@ -22,7 +22,7 @@ Everything here runs on the scheduler thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from engines.errors import EngineError
@@ -197,16 +197,17 @@ class KVManager:
         if live.seq is None:
             self._open(live, self.engine.new_sequence(), 0)
             if source.pool_tokens > 0:
-                self._open(live, live.seq, self._import(live, source.match.entry_id, source.pool_tokens))
+                self._import(live, source.match.entry_id, source.pool_tokens)
                 # The pool holds what came in, so only what follows it is unexported: counted
                 # from the session's start, a request resumed from a long cached prefix would be
                 # checkpointed (its whole KV copied out again) at its first token.
                 live.since_park = len(live.state.tokens) - live.kv
         self.release_held(live)
 
-    def _import(self, live: Live, entry: int, keep: int) -> int:
-        """Import pool entry `entry` into `live`'s sequence, cut to `keep` tokens; the tokens held
-        after (0 when the entry was corrupt, gone or refused: those tokens are prefilled)."""
+    def _import(self, live: Live, entry: int, keep: int) -> None:
+        """Import pool entry `entry` into `live`'s new, empty lane and cut it to `keep` tokens. When
+        the entry is corrupt, gone or refused, or cannot be cut to `keep`, the lane is left empty
+        (its tokens are prefilled)."""
         try:
             with self.pool.get(entry, verify=False) as view:
                 restored = transfer.import_(self.engine, live.seq, view)
@@ -218,16 +219,16 @@ class KVManager:
                     self.pool.evict(entry)  # nobody should start from it again
                 except PoolError:
                     pass  # held elsewhere: the pool counts it corrupt, its holders will find out
-            return 0
+            return
         self.counters.imports += 1
+        live.kv = restored
         if restored > keep:
             try:
                 self.engine.truncate(live.seq, keep)
+                live.kv = keep
             except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
-                self.engine.free_sequence(live.seq)
-                live.seq = self.engine.new_sequence()
-                return 0
-        return min(restored, keep)
+                self._close(live)
+                self._open(live, self.engine.new_sequence(), 0)
 
     # ----------------------------------------------------------------------------- lanes
 
@@ -347,11 +348,7 @@ class KVManager:
         """True when the pool still holds the session's KV as its lane holds it now."""
         if live.entry is None or live.state.parked is None or live.state.parked[1] != live.kv:
             return False
-        try:
-            self.pool.info(live.entry)
-        except PoolError:
-            return False  # evicted since
-        return True
+        return self._in_pool(live.entry)  # not evicted since
 
     def release_held(self, live: Live) -> None:
         """Drop the reference a swapped-out lane held on its parked entry."""
@@ -404,6 +401,43 @@ class KVManager:
                 self.pool.unpin(live.entry)
             except PoolError:
                 pass  # already gone
+
+    def problems(self, sessions: Iterable[Live]) -> list[str]:
+        """What is wrong with the bookkeeping of `sessions` (every session the host has), if
+        anything: each lane names a sequence of its own that the engine holds, with exactly the
+        positions the lane says; the engine holds no sequence without a lane; a session without a
+        lane names no sequence, and the entry it holds while swapped out is still in the pool.
+        Empty when all is well (the test modes check it after every tick)."""
+        found = []
+        seqs = sorted(live.seq for live in self.lanes if live.seq is not None)
+        if len(seqs) != len(self.lanes) or len(set(seqs)) != len(seqs):
+            found.append(f"the lanes name sequences {[live.seq for live in self.lanes]}: each needs one of its own")
+        if seqs != self.engine.sequences():
+            found.append(f"the lanes hold sequences {seqs}, the engine {self.engine.sequences()}")
+        for live in sessions:
+            name = f"session {live.state.id}"
+            if live in self.lanes:
+                if live.seq in self.engine.sequences() and self.engine.length(live.seq) != live.kv:
+                    found.append(f"{name}: its lane says {live.kv} positions, sequence {live.seq} holds "
+                                 f"{self.engine.length(live.seq)}")
+                if live.kv > len(live.state.tokens):
+                    found.append(f"{name}: {live.kv} positions in its lane, {len(live.state.tokens)} tokens committed")
+                if live.held is not None:
+                    found.append(f"{name} has a lane and still holds its swapped-out entry {live.held}")
+            elif live.seq is not None or live.kv:
+                found.append(f"{name} has no lane but names sequence {live.seq} with {live.kv} positions")
+            elif live.held is not None and not self._in_pool(live.held):
+                found.append(f"{name} holds entry {live.held}, which the pool no longer has")
+        if self.cells_used() > self.cells_total:
+            found.append(f"{self.cells_used()} cells used of {self.cells_total}")
+        return found
+
+    def _in_pool(self, entry: int) -> bool:
+        try:
+            self.pool.info(entry)
+        except PoolError:
+            return False
+        return True
 
     def relieve_pressure(self) -> int:
         """Past the high watermark, evict cached entries nobody holds down to the low one."""

@@ -348,8 +348,9 @@ def memory_of(layer_caches: list) -> Memory:
     if recurrent:
         if not attention:
             return Memory("recurrent")
-        return Memory("hybrid-iswa", min(windows)) if windows else Memory("hybrid")
-    return Memory("iswa", min(windows)) if windows else Memory("kv")
+        return Memory("hybrid-iswa", min(windows), cuts_wrapped_window=False) if windows else Memory("hybrid")
+    # a RotatingKVCache is trimmable only while its offset is below its size: once wrapped, never
+    return Memory("iswa", min(windows), cuts_wrapped_window=False) if windows else Memory("kv")
 
 
 def _codec_named(name: str) -> Codec:

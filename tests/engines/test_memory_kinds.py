@@ -94,7 +94,9 @@ def prompt(length: int, salt: int = 0) -> list[int]:
 def test_the_kind_is_described(engine_of, built, kind):
     engine = engine_of(kind)
     if built[kind][2] is not None:  # mlx-lm reads the same kind from its cache classes
-        assert engine_of(kind, "mlx").describe().memory == engine.describe().memory
+        mlx = engine_of(kind, "mlx").describe().memory
+        assert (mlx.kind, mlx.window) == (engine.describe().memory.kind, engine.describe().memory.window)
+        assert mlx.cuts_wrapped_window == (not mlx.window)  # a wrapped RotatingKVCache is never cut
     described = engine.describe().memory
     assert described.kind == kind and described.window == built[kind][1]
     assert described.recurrent == kind.startswith(("recurrent", "hybrid"))
@@ -143,6 +145,38 @@ def test_a_cut_back_out_of_reach_is_refused_untouched(engine_of, pool, kind):
         engine.truncate(restored, keep)
     assert engine.length(restored) == 60
     assert run(engine, restored, logits, 3)[0] == expected  # as it was
+
+
+@pytest.mark.parametrize("runtime, kind", CASES)
+@pytest.mark.parametrize("length", [10, 60])  # inside and past the 16-token window
+def test_a_cut_the_memory_allows_is_made_exactly(engine_of, pool, runtime, kind, length):
+    # The host picks what to fork or restore by the described rule (Memory.can_cut_restored):
+    # wherever it says yes, the engine must cut a restored state there and go on as a cold one.
+    engine = engine_of(kind, runtime)
+    memory = engine.describe().memory
+    tokens = prompt(length, salt=1)
+    seq = engine.new_sequence()
+    feed(engine, seq, tokens)
+    info = transfer.export(engine, pool, seq, tokens)
+    engine.free_sequence(seq)
+    allowed = [keep for keep in (length - 1, length - 5, 2) if memory.can_cut_restored(length, keep)]
+    for keep in allowed:
+        restored = engine.new_sequence()
+        with pool.get(info.id) as view:
+            transfer.import_(engine, restored, view)
+        engine.truncate(restored, keep)
+        cold = engine.new_sequence()
+        logits = feed(engine, cold, tokens[:keep + 1])
+        got = engine.step([StepRequest(restored, tokens[keep:keep + 1])])[0][0]
+        assert run(engine, restored, got, 3)[0] == run(engine, cold, logits, 3)[0]
+        engine.free_sequence(restored)
+        engine.free_sequence(cold)
+    if kind == "kv" or (kind == "iswa" and length <= 16):
+        assert len(allowed) == 3
+    elif kind == "iswa" and runtime == "llamacpp":  # a restored window holds what the last position reads
+        assert allowed == [length - 1]
+    else:  # a wrapped RotatingKVCache, a recurrent state: never cut
+        assert allowed == []
 
 
 @pytest.mark.parametrize("runtime, kind", CASES)
