@@ -44,6 +44,11 @@ class Adapter:
         """Positions held by `seq`."""
         return self._length(seq)
 
+    def sequences(self) -> list[int]:
+        """The ids of the sequences alive, in ascending order."""
+        self._check_thread()
+        return sorted(self._lengths)
+
     def _length(self, seq: int) -> int:
         self._check_thread()
         try:

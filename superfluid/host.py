@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from engines.base import Descriptor, Engine
 from engines.errors import ModelLoadError
 from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, segment
 from superfluid import sampling as sampler
+from superfluid.churn import Churn
 from superfluid.commands import Commands
 from superfluid.log import SessionLog
 from superfluid.scheduler import Policy, Scheduler
@@ -51,8 +53,9 @@ class Host:
                  publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
-                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.05, engine_factory: Callable[[], Engine] | None = None,
-                 **runtime_options: Any) -> None:
+                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.05,
+                 engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,
+                 clock: Callable[[], float] = time.monotonic, **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
         pool `pool_name`, replay the session log in `log_dir`. Runtime options are passed as
         `<runtime>_<option>=value` (for example llamacpp_threads=2, mlx_prefill_chunk=256).
@@ -63,15 +66,19 @@ class Host:
         waiting, or after `max_wait_seconds` without starting, a generation is refused with
         Overloaded (None: no limit). Prefill is cut into chunks of at most `prefill_budget` tokens,
         fewer where a step would last longer than `tick_seconds` (None: no time bound), since a
-        step is what every decoding lane and every new request waits for. `engine_factory` opens an engine that is not in the
-        registry (an adapter of your own); `model` and `runtime` then only name it."""
+        step is what every decoding lane and every new request waits for. `engine_factory` opens
+        an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
+        only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
+        checks the KV bookkeeping as it goes (see superfluid.churn.Churn); outputs do not change.
+        `clock` gives the seconds that idle parking, generation timeouts and `max_wait_seconds`
+        are measured in (monotonic; a test passes one it moves itself)."""
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
         policy = _policy(prefill_budget=prefill_budget, tick_seconds=tick_seconds, checkpoint_tokens=checkpoint_tokens,
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
                          max_wait_seconds=max_wait_seconds, watermarks=(high_watermark, low_watermark),
-                         max_pinned_fraction=max_pinned_fraction)
+                         max_pinned_fraction=max_pinned_fraction, churn=churn)
         if engine_factory is None:
             adapter = registry.adapter(self.runtime)
             engine_factory = lambda: adapter(model, **options)  # noqa: E731
@@ -79,7 +86,7 @@ class Host:
         self._counters = Counters()
         self._scheduler = Scheduler(engine_factory, lambda descriptor: _open_pool(pool_name, pool_bytes, descriptor,
                                                                                   export_budget),
-                                    self._log, self._counters, policy)
+                                    self._log, self._counters, policy, clock=clock)
         try:
             self._scheduler.start()
         except BaseException:
@@ -182,6 +189,8 @@ def _policy(**settings: Any) -> Policy:
     for name in ("idle_park_seconds", "max_wait_seconds", "tick_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
+    if settings["churn"] is not None and not isinstance(settings["churn"], Churn):
+        raise TypeError(f"churn={settings['churn']!r}: give a superfluid.churn.Churn, or None")
     low, high = settings["watermarks"][1], settings["watermarks"][0]
     if not 0 < low <= high <= 1 or not 0 <= settings["max_pinned_fraction"] <= 1:
         raise ValueError(f"watermarks must satisfy 0 < low ({low}) <= high ({high}) <= 1, and "

@@ -34,6 +34,7 @@ from engines.base import StepRequest
 from engines.errors import EngineError, NoRoom
 from kvpool import Pool
 from superfluid import sampling as sampler
+from superfluid.churn import Churn
 from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
 from superfluid.kv import INTERACTIVE, KVManager, common_prefix
 from superfluid.lane import Job, Live
@@ -74,6 +75,7 @@ class Policy:
     max_wait_seconds: float | None = None
     watermarks: tuple[float, float] = (0.9, 0.75)
     max_pinned_fraction: float = 0.5
+    churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/churn.py)
 
 
 class Scheduler:
@@ -88,6 +90,7 @@ class Scheduler:
         self.seconds_per_token: float | None = None  # measured cost of a prefill token (moving average)
         self._commands: queue.Queue = queue.Queue()
         self._order = itertools.count(1)
+        self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self._stopping = False
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -117,8 +120,9 @@ class Scheduler:
             self.engine.release_thread()
             raise
         policy = self.policy
+        idle_park_seconds = 0.0 if policy.churn is not None else policy.idle_park_seconds
         self.kv = KVManager(self.engine, self.pool, self.log, self.counters, decode_reserve=policy.decode_reserve,
-                            idle_park_seconds=policy.idle_park_seconds, watermarks=policy.watermarks,
+                            idle_park_seconds=idle_park_seconds, watermarks=policy.watermarks,
                             max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
 
     def _run(self) -> None:
@@ -137,6 +141,9 @@ class Scheduler:
                 elif not self._stopping:
                     self.kv.park_idle(self.clock(), generating=False)
                     self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
+                self.ticks += 1
+                if self.policy.churn is not None and not self._stopping:
+                    self.policy.churn.after_tick(self.ticks, self.kv, self.sessions.values())
         except BaseException as exc:  # the engine or the pool failed: every waiter hears of it
             self.error = exc
             self._fail_all(exc)

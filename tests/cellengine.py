@@ -123,6 +123,10 @@ class CellEngine:
         """Positions `seq` holds."""
         return len(self._seqs[seq])
 
+    def sequences(self) -> list[int]:
+        """The sequences alive."""
+        return sorted(self._seqs)
+
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """Append each request's tokens; NoRoom (changing nothing) when the cells run out."""
         needed = sum(len(r.tokens) for r in requests)
