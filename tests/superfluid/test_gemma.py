@@ -4,8 +4,9 @@
 
 What a window changes: the window layers keep only the last 512 positions, so a state cannot be
 cut back past them. Forks, trims, second turns and restarts must still give what a cold run of
-the same tokens gives, by checkpoints (states parked inside and at the end of each prompt).
-Select with -m real_model.
+the same tokens gives, by checkpoints (states parked inside and at the end of each prompt); and
+a long session's story gives the same tokens when its KV is parked and preempted at every
+tick (superfluid.churn). The idle timer stays on. Select with -m real_model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from engines import models
 from superfluid import Host
+from superfluid.churn import Churn
 from tests.conftest import remove_segment, unique_pool_name
 
 pytestmark = pytest.mark.real_model
@@ -42,10 +44,10 @@ def open_host(gemma, runtime, tmp_path):
     opened, names = [], {}
     options = {"llamacpp_n_ctx": 4096, "llamacpp_threads": 2} if runtime == "llamacpp" else {}
 
-    def make(name: str = "main"):
+    def make(name: str = "main", churn: Churn | None = None):
         pool = names.setdefault(name, unique_pool_name())
         host = Host(gemma, runtime=runtime, pool_name=pool, pool_bytes=512 << 20, log_dir=tmp_path / name,
-                    idle_park_seconds=None, **options)
+                    churn=churn, **options)
         opened.append(host)
         return host
 
@@ -192,3 +194,37 @@ def test_superfluid_serve_answers_on_it_and_reuses_a_long_prefix(gemma, tmp_path
         assert cached >= first.usage.prompt_tokens - 512  # from the last checkpoint before they part
     finally:
         assert served.stop() == 0
+
+
+MODES = {"parked": Churn(), "preempted": Churn(preempt_every=3)}
+_stories: dict = {}
+
+
+def story(open_host, name: str, churn: Churn | None) -> list[list[int]]:
+    """What the host generates through a long session's life (the steps that lost MLX sessions
+    under load): a long prompt, a next turn, a fork with a turn of its own, a restart, and a
+    trim back past the window. Each generation's tokens, in order."""
+    host = open_host(name, churn)
+    session = host.session(id="long", temperature=0.0)
+    session.append_tokens(text_tokens(host, 2 * WINDOW + 100))
+    out = [greedy(session, 8)]
+    session.append_text(" Question: what turns the wheel?")
+    out.append(greedy(session, 8))
+    child = session.fork()
+    child.append_text(" Question: what is counted by the door?")
+    out.append(greedy(child, 8))
+    host.close()
+    again = open_host(name, churn)
+    session = again.session(id="long")
+    out.append(greedy(session, 4))
+    session.trim(WINDOW + 200)  # back past the window: a checkpoint restores it
+    out.append(greedy(session, 8))
+    again.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_long_sessions_story_is_the_same_when_its_kv_moves_at_every_tick(open_host, runtime, mode):
+    if runtime not in _stories:
+        _stories[runtime] = story(open_host, "default", None)
+    assert story(open_host, mode, MODES[mode]) == _stories[runtime]
