@@ -59,6 +59,28 @@ def in_threads(work, count: int) -> list:
     return results
 
 
+class ManualClock:
+    """A monotonic clock that moves only when a test moves it: a Host given one parks idle lanes,
+    ends timed-out generations and refuses long waits exactly when the test says, whatever the
+    speed of the machine (Host(clock=...))."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock `seconds` forward."""
+        self.now += seconds
+
+
+@pytest.fixture
+def clock():
+    """A ManualClock for this test."""
+    return ManualClock()
+
+
 def unique_pool_name() -> str:
     """A pool name no other test or test run uses at the same time."""
     return f"test-{os.getpid()}-{next(_names)}"

@@ -24,17 +24,18 @@ def model_for(tiny_models, tiny_mlx):
 
 
 @pytest.fixture
-def open_host(runtime, model_for, tmp_path):
-    """Open hosts of this test's runtime (same pool name and log by default, as a restart would)."""
+def open_host(runtime, model_for, tmp_path, clock):
+    """Open hosts of this test's runtime (same pool name and log by default, as a restart would).
+    The idle timer is on, on the test's clock: a lane is parked by it only where the test moves
+    the clock past idle_park_seconds, so statistics read twice never differ by a timer that a
+    slow machine let fire in between."""
     opened, names = [], set()
     name = unique_pool_name()
 
     def make(*, pool_name: str | None = None, log_dir=None, **options) -> Host:
         chosen = pool_name or name
         names.add(chosen)
-        # No parking by the clock: a lane idle past idle_park_seconds on a slow machine would add
-        # an export between two reads of the statistics (tests/superfluid/test_load.py tests it).
-        options = {"pool_bytes": 64 << 20, "idle_park_seconds": None, **DEFAULTS[runtime], **options}
+        options = {"pool_bytes": 64 << 20, "clock": clock, **DEFAULTS[runtime], **options}
         host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, log_dir=log_dir or tmp_path / "log",
                     **options)
         opened.append(host)

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -106,14 +107,45 @@ def test_a_busy_session_refuses_a_second_generation(open_host):
     assert generated(s, max_tokens=2).finish_reason == "length"
 
 
-def test_a_generation_that_times_out_keeps_what_it_made(open_host):
+def test_a_generation_that_times_out_keeps_what_it_made(open_host, clock):
     host = open_host()
     s = host.session()
     s.append_text(PROMPT)
     generation = s.generate(max_tokens=100_000, timeout=0.3, ignore_eos=True)
+    next(generation)
+    clock.advance(0.5)
     with pytest.raises(TimeoutError, match="ran past its timeout"):
         generation.collect()
     assert generation.finish_reason == "timeout" and s.tokens[-len(generation.tokens):] == generation.tokens
+
+
+def test_a_lane_idle_past_the_timer_is_parked_and_its_next_turn_resumes_exactly(open_host, clock):
+    host = open_host()
+    s = host.session(temperature=0.0)
+    s.append_text(PROMPT)
+    s.complete(max_tokens=6)
+    assert host.stats().lanes == 1
+    clock.advance(4.9)  # under idle_park_seconds (5 by default): still warm
+    assert host.stats().lanes == 1 and host.stats().idle_parks == 0
+    clock.advance(0.2)
+    wait_until(lambda: host.stats().lanes == 0)  # the scheduler's idle loop parks it
+    parked = host.stats()
+    assert parked.idle_parks == 1 and parked.parked_sessions == 1
+    held = len(s.tokens) - 1  # the last token sampled was never fed
+    s.append_text(" and then")
+    resumed = generated(s, max_tokens=8, temperature=0.0)
+    assert host.stats().imports == parked.imports + 1 and resumed.cached_tokens == held
+    warm = host.session(temperature=0.0)
+    warm.append_tokens(s.tokens[:-8])
+    assert generated(warm, max_tokens=8, temperature=0.0).tokens == resumed.tokens
+
+
+def wait_until(condition, seconds: float = 60.0) -> None:
+    """Wait for `condition()` to hold (checked every 10 ms); fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.01)
 
 
 def test_reaching_the_context_length_is_an_error_naming_it(open_host, runtime):

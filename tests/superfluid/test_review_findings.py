@@ -20,12 +20,18 @@ def test_a_cancelled_generation_frees_the_session_for_the_next_call_at_once(open
     assert first.finish_reason == "cancelled" and len(first.tokens) < 100_000
 
 
-def test_a_generation_that_never_started_leaves_the_chat_as_it_was(open_host):
+def test_a_generation_that_never_started_leaves_the_chat_as_it_was(open_host, clock):
     host = open_host()
     s = host.session(system="Be brief.")
     s.append_user("Hi")
     before = s.tokens
-    generation = s.generate(max_tokens=100_000, timeout=1e-6)  # out of time before it could start
+
+    def generate_out_of_time():  # on the scheduler thread: out of time before any tick admits it
+        generation = host.commands.generate(s.id, 100_000, (), 1.0, {})
+        clock.advance(2.0)
+        return generation
+
+    generation = host.call(generate_out_of_time)
     with pytest.raises(TimeoutError):
         generation.collect()
     assert generation.tokens == [] and s.tokens == before  # its assistant opening is taken back
