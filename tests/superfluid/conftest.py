@@ -49,7 +49,7 @@ def open_host(runtime, model_for, tmp_path, clock):
 
 
 @pytest.fixture
-def template_host(tmp_path):
+def template_host(tmp_path, clock):
     """template_host(template) -> a Host on a tiny model that ships `template`; closed after the test."""
     from tests import tinymodels
 
@@ -59,7 +59,7 @@ def template_host(tmp_path):
         model = tinymodels.build(tmp_path / f"model-{len(opened)}", "f32", chat_template=template)
         pool = unique_pool_name()
         opened.append((Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / f"log-{len(opened)}",
-                            llamacpp_threads=2, llamacpp_n_ctx=2048, idle_park_seconds=None), pool))
+                            llamacpp_threads=2, llamacpp_n_ctx=2048, clock=clock), pool))
         return opened[-1][0]
 
     yield make

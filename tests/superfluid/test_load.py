@@ -24,8 +24,9 @@ from tests.conftest import remove_segment, unique_pool_name
 
 
 @pytest.fixture
-def cell_host(tmp_path):
-    """cell_host(cells, **host options) -> (host, engine): a Host on a CellEngine of that many cells."""
+def cell_host(tmp_path, clock):
+    """cell_host(cells, **host options) -> (host, engine): a Host on a CellEngine of that many cells,
+    its idle timer on the test's clock (it fires only where a test moves the clock)."""
     opened = []
 
     def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0), **options):
@@ -36,7 +37,7 @@ def cell_host(tmp_path):
             return engines[0]
 
         name = unique_pool_name()
-        options = {"idle_park_seconds": None, "pool_bytes": 32 << 20, **options}
+        options = {"clock": clock, "pool_bytes": 32 << 20, **options}
         host = Host("cell-engine", engine_factory=factory, pool_name=name,
                     log_dir=tmp_path / f"log-{len(opened)}", **options)
         opened.append((host, name))
@@ -127,12 +128,20 @@ def test_a_full_wait_queue_refuses_before_anything_starts_and_serves_the_rest(ce
                                                            if o in served], 12)
 
 
-def test_a_generation_that_cannot_start_in_max_wait_seconds_is_refused_untouched(cell_host):
-    host, _ = cell_host(cells=4096, max_wait_seconds=0)
-    sessions, (cold,) = start(host, [prompt(0, 100)], max_tokens=4)
-    with pytest.raises(Overloaded, match="max_wait_seconds=0"):
+def test_a_generation_that_cannot_start_in_max_wait_seconds_is_refused_untouched(cell_host, clock):
+    host, _ = cell_host(cells=4096, max_wait_seconds=1)
+    session = host.session()
+    session.append_tokens(prompt(0, 100))
+
+    def queue_and_wait_too_long():  # on the scheduler thread: no tick admits it before the clock moves
+        generation = host.commands.generate(session.id, 4, (), None, {})
+        clock.advance(1.5)
+        return generation
+
+    cold = host.call(queue_and_wait_too_long)
+    with pytest.raises(Overloaded, match="max_wait_seconds=1"):
         next(iter(cold))
-    assert cold.tokens == [] and sessions[0].tokens == prompt(0, 100)  # nothing generated, nothing lost
+    assert cold.tokens == [] and session.tokens == prompt(0, 100)  # nothing generated, nothing lost
 
 
 def test_an_interactive_arrival_preempts_and_the_preempted_lane_resumes_exactly(cell_host):
@@ -336,11 +345,13 @@ def test_a_request_resumed_from_a_cached_prefix_checkpoints_only_what_follows_it
     assert host.stats().exports == before.exports + 1  # past 32 of its own: checkpointed once
 
 
-def test_a_lane_idle_past_idle_park_seconds_is_parked(cell_host):
-    host, engine = cell_host(cells=4096, idle_park_seconds=0)
+def test_a_lane_idle_past_idle_park_seconds_is_parked(cell_host, clock):
+    host, engine = cell_host(cells=4096, idle_park_seconds=5)
     s = host.session()
     s.append_tokens(prompt(0, 300))
     s.generate(max_tokens=2).collect()
+    assert host.stats().lanes == 1
+    clock.advance(5)
     deadline = time.monotonic() + 60
     while host.stats().lanes and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -418,7 +429,7 @@ class BrokenAfterToken(CellEngine):
 def test_a_step_with_nothing_to_sample_ends_its_generation_and_the_others_go_on(tmp_path):
     name = unique_pool_name()
     host = Host("cell-engine", engine_factory=lambda: BrokenAfterToken(4096), pool_name=name, pool_bytes=32 << 20,
-                log_dir=tmp_path / "log", idle_park_seconds=None)
+                log_dir=tmp_path / "log")
     try:
         broken, healthy = host.session(), host.session()
         broken.append_tokens(prompt(0, 20) + [BrokenAfterToken.broken])

@@ -66,7 +66,7 @@ def test_text_held_for_a_stop_string_is_the_replys_when_an_end_of_turn_token_end
     def run(eos: tuple[int, ...], stop: list[str], name: str):
         pool = unique_pool_name()
         host = Host("cell-engine", engine_factory=lambda: CellEngine(1024, eos=eos), pool_name=pool,
-                    pool_bytes=16 << 20, log_dir=tmp_path / name, idle_park_seconds=None)
+                    pool_bytes=16 << 20, log_dir=tmp_path / name)
         try:
             session = host.session()
             session.append_tokens([1, 2, 3])
