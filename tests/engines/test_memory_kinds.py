@@ -198,6 +198,40 @@ def test_export_and_import_continue_as_the_uninterrupted_sequence(engine_of, poo
     np.testing.assert_allclose(np.stack(got_logits), np.stack(expected_logits), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("runtime, kind", CASES)
+def test_a_sequence_moved_through_the_pool_at_every_step_continues_as_the_uninterrupted_one(engine_of, pool,
+                                                                                          runtime, kind):
+    # What a host under churn does to a lane: swapped out after every prefill chunk and every
+    # decoded token, and resumed into another sequence by import.
+    engine = engine_of(kind, runtime)
+    tokens = prompt(45, salt=9)
+    seq = engine.new_sequence()
+    expected, _ = run(engine, seq, feed(engine, seq, tokens))
+    engine.free_sequence(seq)
+
+    def moved(seq: int, held: list[int]) -> int:
+        info = transfer.export(engine, pool, seq, held)
+        engine.free_sequence(seq)
+        target = engine.new_sequence()
+        with pool.get(info.id) as view:
+            assert transfer.import_(engine, target, view) == len(held)
+        pool.release(info.id)
+        return target
+
+    seq, held = engine.new_sequence(), []
+    for start in range(0, len(tokens), 7):
+        logits = engine.step([StepRequest(seq, tokens[start:start + 7])])[0][0]
+        held += tokens[start:start + 7]
+        seq = moved(seq, held)
+    got = []
+    for _ in range(len(expected)):
+        got.append(int(np.argmax(logits)))
+        logits = engine.step([StepRequest(seq, got[-1:])])[0][0]
+        held.append(got[-1])
+        seq = moved(seq, held)
+    assert got == expected
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_price_is_what_the_pool_stores(engine_of, pool, kind):
     engine = engine_of(kind)
