@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -135,11 +134,9 @@ def mlx_logits(directory, tokens: list[int]) -> np.ndarray:
 # ----------------------------------------------------------------------------- building
 
 
-def test_building_is_quick_deterministic_and_seeded(tmp_path):
+def test_building_is_deterministic_and_seeded(tmp_path):
     for kind in memorykinds.KINDS:
-        started = time.perf_counter()
         first = memorykinds.build(kind, tmp_path / "a" / kind)
-        assert time.perf_counter() - started < 3.0
         again = memorykinds.build(kind, tmp_path / "b" / kind)
         other = memorykinds.build(kind, tmp_path / "c" / kind, seed=1)
         assert first.gguf.read_bytes() == again.gguf.read_bytes()

@@ -2,7 +2,9 @@
 
 import pytest
 
+from engines import registry
 from superfluid import Host
+from tests.gate import Gate
 from tests.conftest import remove_segment, unique_pool_name
 
 RUNTIMES = ("llamacpp", "mlx")
@@ -32,10 +34,15 @@ def open_host(runtime, model_for, tmp_path, clock):
     opened, names = [], set()
     name = unique_pool_name()
 
-    def make(*, pool_name: str | None = None, log_dir=None, **options) -> Host:
+    def make(*, pool_name: str | None = None, log_dir=None, gate: Gate | None = None, **options) -> Host:
         chosen = pool_name or name
         names.add(chosen)
         options = {"pool_bytes": 64 << 20, "clock": clock, **DEFAULTS[runtime], **options}
+        if gate is not None:  # the runtime's engine with its step behind the gate (tests/gate.py)
+            prefix = f"{runtime}_"
+            own = {key[len(prefix):]: options.pop(key) for key in list(options) if key.startswith(prefix)}
+            adapter, model = registry.adapter(runtime), model_for(runtime)
+            options["engine_factory"] = lambda: gate.wrap(adapter(model, **own))
         host = Host(model_for(runtime), runtime=runtime, pool_name=chosen, log_dir=log_dir or tmp_path / "log",
                     **options)
         opened.append(host)

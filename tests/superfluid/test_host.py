@@ -8,6 +8,7 @@ import pytest
 
 from superfluid import ContextFull, SessionBusy, SessionNotFound
 from superfluid.chat import CHATML, ChatTemplate
+from superfluid.scheduler import MIN_PREFILL_CHUNK
 from tests.conftest import in_threads
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -82,7 +83,11 @@ def test_sessions_sharing_a_long_prefix_prefill_it_once(open_host, runtime):
     replies = [g.collect() for g in generations]
     stats = host.stats()
     suffixes = sum(len(s.tokens) - prefix - 4 for s in sessions)
-    assert stats.prefill_tokens <= prefix + suffixes + 8, stats  # the prefix once, each suffix once
+    # The prefix once, each suffix once. A session that waited for another to prefill the prefix
+    # starts once that lane is within MIN_PREFILL_CHUNK of it, and prefills those few tokens
+    # itself: where that lane's chunks end follows the tick, so the machine's speed.
+    slack = MIN_PREFILL_CHUNK * (len(sessions) - 1)
+    assert stats.prefill_tokens <= prefix + suffixes + slack, stats
     lone = open_host(pool_name=f"lone-{runtime}-{id(host)}", log_dir=host._log.directory.parent / "lone")
     for s, reply in zip(sessions, replies):
         alone = lone.session()

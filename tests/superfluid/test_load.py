@@ -20,21 +20,24 @@ from superfluid import scheduler
 from superfluid.errors import Overloaded
 from superfluid.sampling import SamplingError
 from tests.cellengine import CellEngine
+from tests.gate import Gate, decode_steps_of
 from tests.conftest import remove_segment, unique_pool_name
 
 
 @pytest.fixture
 def cell_host(tmp_path, clock):
     """cell_host(cells, **host options) -> (host, engine): a Host on a CellEngine of that many cells,
-    its idle timer on the test's clock (it fires only where a test moves the clock)."""
+    its idle timer on the test's clock (it fires only where a test moves the clock), its steps
+    behind `gate` if one is given (tests/gate.py)."""
     opened = []
 
-    def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0), **options):
+    def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0),
+             gate: Gate | None = None, **options):
         engines = []
 
         def factory():
             engines.append(CellEngine(cells, max_sequences=max_sequences, step_seconds=step_seconds))
-            return engines[0]
+            return engines[0] if gate is None else gate.wrap(engines[0])
 
         name = unique_pool_name()
         options = {"clock": clock, "pool_bytes": 32 << 20, **options}
@@ -144,15 +147,31 @@ def test_a_generation_that_cannot_start_in_max_wait_seconds_is_refused_untouched
     assert cold.tokens == [] and session.tokens == prompt(0, 100)  # nothing generated, nothing lost
 
 
+def waiting_session(host, tokens: list[int]):
+    """A session holding `tokens`, made before the engine is held at a gate (a call waits for the
+    scheduler thread, which waits at the gate)."""
+    session = host.session()
+    session.append_tokens(tokens)
+    return session
+
+
+def arrive_mid_generation(host, gate, session, **generate):
+    """`session`'s generation queued while the engine is held at `gate` (the lanes it waits for
+    mid-generation, however fast they run), then the engine goes on."""
+    gate.wait_reached()
+    queued = host.submit(host.commands.generate, session.id, generate.pop("max_tokens"), (), None, {}, False, False,
+                         generate.pop("priority", None))
+    gate.open()
+    return queued.result()
+
+
 def test_an_interactive_arrival_preempts_and_the_preempted_lane_resumes_exactly(cell_host):
-    host, _ = cell_host(cells=4096)
+    gate = Gate(decode_steps_of(lanes=2, count=1))  # both run
+    host, _ = cell_host(cells=4096, gate=gate)
     prompts = [prompt(0, 1950), prompt(1, 1950)]
+    urgent = waiting_session(host, prompt(2, 100))
     _, background = start(host, prompts, max_tokens=100, priority="background")
-    for g in background:
-        next(g)  # both run
-    urgent = host.session()
-    urgent.append_tokens(prompt(2, 100))
-    quick = urgent.generate(max_tokens=5, priority="interactive")
+    quick = arrive_mid_generation(host, gate, urgent, max_tokens=5, priority="interactive")
     quick.collect()
     assert quick.finish_reason == "length"
     for g in background:
@@ -163,13 +182,11 @@ def test_an_interactive_arrival_preempts_and_the_preempted_lane_resumes_exactly(
 
 
 def test_a_default_arrival_waits_rather_than_preempting(cell_host):
-    host, _ = cell_host(cells=4096)
+    gate = Gate(decode_steps_of(lanes=2, count=1))
+    host, _ = cell_host(cells=4096, gate=gate)
+    late = waiting_session(host, prompt(2, 100))
     _, background = start(host, [prompt(0, 1950), prompt(1, 1950)], max_tokens=40, priority="background")
-    for g in background:
-        next(g)
-    late = host.session()
-    late.append_tokens(prompt(2, 100))
-    reply = late.generate(max_tokens=3)
+    reply = arrive_mid_generation(host, gate, late, max_tokens=3)
     reply.collect()
     assert len(reply.tokens) == 3
     for g in background:
@@ -280,11 +297,11 @@ def test_decode_is_never_held_back_by_prefill(cell_host):
 
 
 def test_an_interactive_lane_runs_without_other_classes_prefill(cell_host):
-    host, engine = cell_host(cells=1 << 15, prefill_budget=128)
+    gate = Gate(lambda requests: True)  # the background's first prefill step
+    host, engine = cell_host(cells=1 << 15, prefill_budget=128, gate=gate)
+    urgent = waiting_session(host, prompt(5, 10))
     _, background = start(host, [prompt(i, 1500) for i in range(2)], max_tokens=2, priority="background")
-    urgent = host.session()
-    urgent.append_tokens(prompt(5, 10))
-    quick = urgent.generate(max_tokens=8, priority="interactive")
+    quick = arrive_mid_generation(host, gate, urgent, max_tokens=8, priority="interactive")
     quick.collect()
     for g in background:
         g.collect()
@@ -294,6 +311,8 @@ def test_an_interactive_lane_runs_without_other_classes_prefill(cell_host):
     seq = next(s for s, n in urgent_steps[0] if n == 10)
     with_urgent = [step for step in engine.steps if any(s == seq for s, _ in step)]
     assert all(n == 1 or s == seq for step in with_urgent for s, n in step)
+    background_prefill = [i for i, step in enumerate(engine.steps) if any(s != seq and n > 1 for s, n in step)]
+    assert background_prefill[-1] > engine.steps.index(urgent_steps[0])  # it came while they were prefilling
 
 
 def test_idle_lanes_leave_the_engine_while_others_decode_and_come_back_by_import(cell_host):

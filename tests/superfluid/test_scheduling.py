@@ -4,6 +4,8 @@ and cancellation in the middle of a stream."""
 import numpy as np
 import pytest
 
+from tests.gate import Gate, decode_steps_of
+
 PROMPT = "The capital of France is Paris. The quick brown fox"
 LIMITS = {"llamacpp": {"llamacpp_n_seq_max": 2}, "mlx": {"mlx_max_sequences": 2}}
 
@@ -20,20 +22,28 @@ def reference_tokens(open_host, runtime, prompts, directory, **generate):
     return [g.tokens for g in out]
 
 
+def arrive_mid_generation(host, gate, session, **generate):
+    """Queue `session`'s generation while the engine is held at `gate` (the background lanes
+    mid-generation, whatever the machine's speed), then let the engine go on; the generation."""
+    gate.wait_reached()
+    queued = host.submit(host.commands.generate, session.id, generate.pop("max_tokens"), (), None, {}, False, False,
+                         generate.pop("priority", None))
+    gate.open()
+    return queued.result()
+
+
 def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupted(open_host, runtime, tmp_path):
-    host = open_host(**LIMITS[runtime])
+    gate = Gate(decode_steps_of(lanes=2, count=3))  # both lanes are mid-generation
+    host = open_host(gate=gate, **LIMITS[runtime])
     prompts = [(PROMPT, 1), (PROMPT + " jumps", 2)]
+    urgent = host.session(priority="interactive")
+    urgent.append_text("Hello")
     background = []
     for text, seed in prompts:
         s = host.session(priority="background", temperature=0.8, seed=seed)
         s.append_text(text)
-        background.append(s.generate(max_tokens=1500, ignore_eos=True))  # still running when the urgent one comes
-    for generation in background:
-        for _ in range(3):
-            next(generation)  # both are mid-generation now
-    urgent = host.session(priority="interactive")
-    urgent.append_text("Hello")
-    quick = urgent.generate(max_tokens=5)
+        background.append(s.generate(max_tokens=1500, ignore_eos=True))
+    quick = arrive_mid_generation(host, gate, urgent, max_tokens=5)
     quick.collect()
     for generation in background:
         generation.collect()
@@ -45,17 +55,16 @@ def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupte
 
 
 def test_a_default_arrival_waits_for_a_lane_instead_of_preempting(open_host, runtime):
-    host = open_host(**LIMITS[runtime])
+    gate = Gate(decode_steps_of(lanes=2, count=2))  # both lanes hold the engine's two sequences
+    host = open_host(gate=gate, **LIMITS[runtime])
+    waiting = host.session()
+    waiting.append_text("Hello")
     running = []
     for seed in (1, 2):
         s = host.session(priority="background", seed=seed)
         s.append_text(PROMPT)
         running.append(s.generate(max_tokens=400, ignore_eos=True))
-    for generation in running:
-        next(generation)  # both lanes hold the engine's two sequences
-    waiting = host.session()
-    waiting.append_text("Hello")
-    late = waiting.generate(max_tokens=3)
+    late = arrive_mid_generation(host, gate, waiting, max_tokens=3)
     late.collect()
     for generation in running:
         generation.collect()

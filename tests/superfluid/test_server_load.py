@@ -69,7 +69,10 @@ def test_eight_agents_all_finish_and_an_interactive_chat_is_not_held_behind_them
                    for i in range(8)]
         for thread in threads:
             thread.start()
-        time.sleep(2.0)  # the agents are prefilling
+        deadline = time.monotonic() + 600  # all eight agents have arrived (a broken server: fail, not hang)
+        while served.metric("generating") + sum(a is not None for a in agents) < 8:
+            assert time.monotonic() < deadline, "the agents' requests never all reached the server"
+            time.sleep(0.05)
         loaded = []
         for system, question in CHATS[3:]:
             seconds, reply = chat_first_token(client, served.model, system, question, priority="interactive")
