@@ -4,6 +4,7 @@ and cancellation in the middle of a stream."""
 import numpy as np
 import pytest
 
+from engines import registry
 from tests.gate import Gate, decode_steps_of
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -125,14 +126,18 @@ def test_on_a_quantized_model_a_preempted_lane_keeps_its_rng_aligned_and_its_log
     from superfluid import Host
     from tests.conftest import remove_segment
 
-    options = {"llamacpp": {"llamacpp_threads": 2, "llamacpp_n_seq_max": 2},
-               "mlx": {"mlx_max_sequences": 2, "mlx_dequantize": "off"}}[runtime]
+    options = {"llamacpp": {"threads": 2, "n_seq_max": 2}, "mlx": {"max_sequences": 2, "dequantize": "off"}}[runtime]
     names, hosts = [f"q8-{runtime}-{i}" for i in range(2)], []
+    gate = Gate(decode_steps_of(lanes=2, count=2))  # the busy host's lanes are mid-generation
+    adapter, model = registry.adapter(runtime), tiny_models["q8_0"].gguf
     try:
         for index, name in enumerate(names):
-            hosts.append(Host(tiny_models["q8_0"].gguf, runtime=runtime, pool_name=name, pool_bytes=64 << 20,
-                              log_dir=tmp_path / name, **options))
+            factory = (lambda: gate.wrap(adapter(model, **options))) if index == 0 else (lambda: adapter(model, **options))
+            hosts.append(Host(model, pool_name=name, pool_bytes=64 << 20, log_dir=tmp_path / name,
+                              engine_factory=factory))
         busy, idle = hosts
+        urgent = busy.session(priority="interactive")
+        urgent.append_text("Hello")
         runs = {}
         for label, host in (("preempted", busy), ("alone", idle)):
             generations = []
@@ -141,11 +146,7 @@ def test_on_a_quantized_model_a_preempted_lane_keeps_its_rng_aligned_and_its_log
                 s.append_text(PROMPT)
                 generations.append(s.generate(max_tokens=600, keep_logits=True, ignore_eos=True))
             if host is busy:
-                for generation in generations:
-                    next(generation)
-                urgent = host.session(priority="interactive")
-                urgent.append_text("Hello")
-                urgent.complete(max_tokens=3)
+                arrive_mid_generation(host, gate, urgent, max_tokens=3).collect()
             for generation in generations:
                 generation.collect()
             runs[label] = generations
