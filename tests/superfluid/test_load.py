@@ -15,8 +15,10 @@ import numpy as np
 
 import pytest
 
+from engines.errors import EngineError
 from superfluid import ContextFull, Host
 from superfluid import scheduler
+from superfluid.churn import Churn
 from superfluid.errors import Overloaded
 from superfluid.sampling import SamplingError
 from tests.cellengine import CellEngine
@@ -462,6 +464,59 @@ def test_a_step_with_nothing_to_sample_ends_its_generation_and_the_others_go_on(
         again = healthy.generate(max_tokens=2, ignore_eos=True)  # the host still serves
         again.collect()
         assert len(again.tokens) == 2 and broken.tokens[-1] == BrokenAfterToken.broken
+    finally:
+        host.close()
+        remove_segment(name)
+
+
+class RefusesToCutRestoredState(CellEngine):
+    """A CellEngine that cannot cut back a sequence it restored from the pool (as mlx-lm's wrapped
+    rotating cache cannot), although its memory says it can."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.restored: set[int] = set()
+
+    def import_(self, seq, view):
+        """The cell engine's import, remembered."""
+        self.restored.add(seq)
+        return super().import_(seq, view)
+
+    def truncate(self, seq, tokens):
+        """Refused for a restored sequence."""
+        if seq in self.restored and tokens < self.length(seq):
+            raise EngineError(f"sequence {seq} was restored and cannot be cut back")
+        super().truncate(seq, tokens)
+
+    def free_sequence(self, seq):
+        """The cell engine's, forgetting that it was restored."""
+        self.restored.discard(seq)
+        super().free_sequence(seq)
+
+
+def test_a_restored_state_the_engine_will_not_cut_is_prefilled_on_a_lane_of_its_own(tmp_path, cell_host):
+    # The pool's entry holds more than the new session shares with it, so it is imported and cut
+    # back; the engine refuses the cut. The lane must be reopened empty and prefilled (it once
+    # kept naming the freed sequence: "no sequence N"); churn checks the bookkeeping every tick.
+    name = unique_pool_name()
+    host = Host("cell-engine", engine_factory=lambda: RefusesToCutRestoredState(4096), pool_name=name,
+                pool_bytes=32 << 20, log_dir=tmp_path / "log", churn=Churn())
+    try:
+        first = host.session(temperature=0.0)
+        first.append_tokens(prompt(0, 300))  # parked whole at the end of its prompt (publish_tokens)
+        first.complete(max_tokens=2)
+        second = host.session(temperature=0.0)
+        second.append_tokens(prompt(0, 200) + prompt(1, 20))
+        before = host.stats()
+        reply = second.generate(max_tokens=4, ignore_eos=True)
+        reply.collect()
+        after = host.stats()
+        assert after.imports == before.imports + 1 and after.prefill_tokens - before.prefill_tokens == 220
+        reference = cell_host()[0].session(temperature=0.0)
+        reference.append_tokens(second.tokens[:-4])
+        expected = reference.generate(max_tokens=4, ignore_eos=True)
+        expected.collect()
+        assert reply.tokens == expected.tokens
     finally:
         host.close()
         remove_segment(name)
