@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from engines import registry
+from superfluid.churn import Churn
 from tests.gate import Gate, decode_steps_of
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -168,10 +169,12 @@ def test_on_a_quantized_model_a_preempted_lane_keeps_its_rng_aligned_and_its_log
             remove_segment(name)
 
 
-def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_host, runtime, tmp_path):
+@pytest.mark.parametrize("churn", [None, Churn(preempt_every=3)], ids=["default", "preempted"])
+def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_host, runtime, tmp_path, churn):
     """Four prompts on an engine whose cells hold two and a half of them: they wait, swap through
     the pool and resume, and each generates what it generates alone (both runtimes: llama.cpp's
-    unified cache, MLX's caches by the cell price)."""
+    unified cache, MLX's caches by the cell price); also with every running lane preempted every
+    third tick (MLX's decode batch then changes members all the time)."""
     prompts = [(f"{i} {PROMPT} {PROMPT} {PROMPT}", i + 1) for i in range(4)]
     expected = reference_tokens(open_host, runtime, prompts, tmp_path, max_tokens=40, ignore_eos=True)
     counter = open_host(pool_name=f"count-{runtime}", log_dir=tmp_path / "count-log")
@@ -181,7 +184,7 @@ def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_hos
         s.append_text(text)
         longest = max(longest, len(s.tokens))
     cells = int(2.5 * (longest + 40 + 64))  # prompt, reply and decode reserve: two and a half fit
-    host = open_host(**({"llamacpp_n_ctx": cells} if runtime == "llamacpp" else {"mlx_kv_cells": cells}))
+    host = open_host(churn=churn, **({"llamacpp_n_ctx": cells} if runtime == "llamacpp" else {"mlx_kv_cells": cells}))
     assert cells <= host.stats().cells_total < cells + 256  # llama.cpp may round its cache up
     generations = []
     for text, seed in prompts:
@@ -193,3 +196,5 @@ def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_hos
     assert [g.tokens for g in generations] == expected
     stats = host.stats()
     assert stats.cells_used <= cells and stats.waiting == 0
+    if churn is not None:
+        assert stats.preemptions >= 4
