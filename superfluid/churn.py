@@ -51,11 +51,6 @@ class Churn:
         if self.preempt_every and tick % self.preempt_every == 0:
             for live in [live for live in kv.lanes if live.job is not None]:
                 kv.preempt(live)
-        self.check(kv, sessions)
-
-    @staticmethod
-    def check(kv: KVManager, sessions: Iterable[Live]) -> None:
-        """ChurnViolation if the KV manager's bookkeeping of `sessions` is wrong."""
         problems = kv.problems(sessions)
         if problems:
             raise ChurnViolation("; ".join(problems))
