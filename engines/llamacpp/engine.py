@@ -21,7 +21,7 @@ from engines import identity as identities
 from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
 from engines.errors import EngineError, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
-from engines.llamacpp import blob, canary, library, memory, settings
+from engines.llamacpp import blob, canary, library, log, memory, settings
 from kvpool import Device, EntryView, host_memory_available, pricing
 
 RUNTIME = "llamacpp"
@@ -77,8 +77,11 @@ class LlamaCppEngine(Adapter):
         self._model_kv = self._read_model_kv()  # priced before the context exists: it sizes n_ctx = -1
         n_ctx = settings.context_cells(values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
                                        pricing.bytes_per_token(self._model_kv), host_memory_available())
-        self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx,
-                                                                                 self._lib.version))
+        # One unified cache of n_ctx cells serves every sequence, and each is capped at the trained
+        # context (_context_length): llama.cpp's "n_ctx_seq > n_ctx_train" warning does not apply.
+        with log.expecting(r"n_ctx_seq \(\d+\) > n_ctx_train \(\d+\)"):
+            self._ctx = api.llama_init_from_model(self._model, settings.context_params(api, values, n_ctx,
+                                                                                     self._lib.version))
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells for {path}; "
                                  "lower n_ctx, or check the cache types and flash_attn")

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from engines.errors import RuntimeUnavailable
+from engines.llamacpp import log
 from engines.registry import RUNTIMES
 
 DISTRIBUTION = RUNTIMES["llamacpp"].distribution
@@ -84,14 +85,6 @@ def load() -> Library:
         raise RuntimeUnavailable(f"{DISTRIBUTION} {version} is installed but does not load ({exc}); "
                                  f"reinstall it: {INSTALL}") from None
     memory = resolve_memory(api)
-    _quiet(api)
+    log.route(api)  # after the package's import, which installs llama-cpp-python's own callback
     api.llama_backend_init()
     return Library(api, version, memory, version in TESTED_VERSIONS)
-
-
-def _quiet(api: Any) -> None:
-    """Only llama.cpp's errors reach stderr (it logs every tensor at load otherwise)."""
-    try:
-        importlib.import_module("llama_cpp._logger").set_verbose(False)
-    except (ImportError, AttributeError):  # a release without the logger module: leave the default
-        pass
