@@ -271,7 +271,8 @@ def _serve(server: Server, runtime: str) -> int:
 
     def serving() -> None:  # once requests are answered and SIGTERM stops it gracefully
         print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
-        print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each; pool export budget "
+        print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each, shared by every session; "
+              f"one session holds up to {host.descriptor.context_length:,} tokens; pool export budget "
               f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool",
               flush=True)
 

@@ -35,6 +35,7 @@ class Served:
                 env={k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"})
         line = self.process.stdout.readline()
         assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
+        self.sizing = self.process.stdout.readline()  # the start line of cells, sessions and pool
         self.url = line.split(" on ")[1].strip()
         self.model = line.split("serving ")[1].split(" ")[0]
         address = urlparse(self.url)

@@ -35,6 +35,14 @@ def test_models_and_health(served):
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
+def test_the_start_says_what_was_sized_and_warns_of_nothing_that_does_not_apply(served):
+    # serve sizes the cells from memory, past the tiny model's trained 2,048 positions: one
+    # session is still capped there, so llama.cpp's "training context overflow" is not shown
+    cells = int(served.sizing.split(" KV cells")[0].split()[-1].replace(",", ""))
+    assert cells > 2048 and "shared by every session; one session holds up to 2,048 tokens" in served.sizing
+    assert "training context overflow" not in served.stderr()
+
+
 def test_chat_reports_usage_and_the_cached_prompt_tokens_of_a_repeat(served):
     client = served.client()
     first = chat(client, served.model, seed=1)
