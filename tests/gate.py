@@ -38,6 +38,14 @@ class Gate:
         """Let the held step (and every later one) run."""
         self._opened.set()
 
+    def generate_while_held(self, host, session, max_tokens: int, priority: str | None = None):
+        """Queue `session`'s generation (made before the gate was reached: a call waits for the
+        scheduler thread) once the engine is held here, then open the gate; the Generation."""
+        self.wait_reached()
+        queued = host.submit(host.commands.generate, session.id, max_tokens, (), None, {}, False, False, priority)
+        self.open()
+        return queued.result()
+
     def check(self, requests: Sequence[StepRequest]) -> None:
         """On the scheduler thread, before a step: hold it if it is the one picked."""
         if not self._reached.is_set() and self.pause_when(requests):

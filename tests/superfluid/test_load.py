@@ -157,23 +157,13 @@ def waiting_session(host, tokens: list[int]):
     return session
 
 
-def arrive_mid_generation(host, gate, session, **generate):
-    """`session`'s generation queued while the engine is held at `gate` (the lanes it waits for
-    mid-generation, however fast they run), then the engine goes on."""
-    gate.wait_reached()
-    queued = host.submit(host.commands.generate, session.id, generate.pop("max_tokens"), (), None, {}, False, False,
-                         generate.pop("priority", None))
-    gate.open()
-    return queued.result()
-
-
 def test_an_interactive_arrival_preempts_and_the_preempted_lane_resumes_exactly(cell_host):
     gate = Gate(decode_steps_of(lanes=2, count=1))  # both run
     host, _ = cell_host(cells=4096, gate=gate)
     prompts = [prompt(0, 1950), prompt(1, 1950)]
     urgent = waiting_session(host, prompt(2, 100))
     _, background = start(host, prompts, max_tokens=100, priority="background")
-    quick = arrive_mid_generation(host, gate, urgent, max_tokens=5, priority="interactive")
+    quick = gate.generate_while_held(host, urgent, max_tokens=5, priority="interactive")
     quick.collect()
     assert quick.finish_reason == "length"
     for g in background:
@@ -188,7 +178,7 @@ def test_a_default_arrival_waits_rather_than_preempting(cell_host):
     host, _ = cell_host(cells=4096, gate=gate)
     late = waiting_session(host, prompt(2, 100))
     _, background = start(host, [prompt(0, 1950), prompt(1, 1950)], max_tokens=40, priority="background")
-    reply = arrive_mid_generation(host, gate, late, max_tokens=3)
+    reply = gate.generate_while_held(host, late, max_tokens=3)
     reply.collect()
     assert len(reply.tokens) == 3
     for g in background:
@@ -303,7 +293,7 @@ def test_an_interactive_lane_runs_without_other_classes_prefill(cell_host):
     host, engine = cell_host(cells=1 << 15, prefill_budget=128, gate=gate)
     urgent = waiting_session(host, prompt(5, 10))
     _, background = start(host, [prompt(i, 1500) for i in range(2)], max_tokens=2, priority="background")
-    quick = arrive_mid_generation(host, gate, urgent, max_tokens=8, priority="interactive")
+    quick = gate.generate_while_held(host, urgent, max_tokens=8, priority="interactive")
     quick.collect()
     for g in background:
         g.collect()

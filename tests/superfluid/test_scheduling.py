@@ -24,16 +24,6 @@ def reference_tokens(open_host, runtime, prompts, directory, **generate):
     return [g.tokens for g in out]
 
 
-def arrive_mid_generation(host, gate, session, **generate):
-    """Queue `session`'s generation while the engine is held at `gate` (the background lanes
-    mid-generation, whatever the machine's speed), then let the engine go on; the generation."""
-    gate.wait_reached()
-    queued = host.submit(host.commands.generate, session.id, generate.pop("max_tokens"), (), None, {}, False, False,
-                         generate.pop("priority", None))
-    gate.open()
-    return queued.result()
-
-
 def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupted(open_host, runtime, tmp_path):
     gate = Gate(decode_steps_of(lanes=2, count=3))  # both lanes are mid-generation
     host = open_host(gate=gate, **LIMITS[runtime])
@@ -45,7 +35,7 @@ def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupte
         s = host.session(priority="background", temperature=0.8, seed=seed)
         s.append_text(text)
         background.append(s.generate(max_tokens=1500, ignore_eos=True))
-    quick = arrive_mid_generation(host, gate, urgent, max_tokens=5)
+    quick = gate.generate_while_held(host, urgent, max_tokens=5)
     quick.collect()
     for generation in background:
         generation.collect()
@@ -66,7 +56,7 @@ def test_a_default_arrival_waits_for_a_lane_instead_of_preempting(open_host, run
         s = host.session(priority="background", seed=seed)
         s.append_text(PROMPT)
         running.append(s.generate(max_tokens=400, ignore_eos=True))
-    late = arrive_mid_generation(host, gate, waiting, max_tokens=3)
+    late = gate.generate_while_held(host, waiting, max_tokens=3)
     late.collect()
     for generation in running:
         generation.collect()
@@ -147,7 +137,7 @@ def test_on_a_quantized_model_a_preempted_lane_keeps_its_rng_aligned_and_its_log
                 s.append_text(PROMPT)
                 generations.append(s.generate(max_tokens=600, keep_logits=True, ignore_eos=True))
             if host is busy:
-                arrive_mid_generation(host, gate, urgent, max_tokens=3).collect()
+                gate.generate_while_held(host, urgent, max_tokens=3).collect()
             for generation in generations:
                 generation.collect()
             runs[label] = generations
