@@ -108,6 +108,9 @@ class Descriptor(msgspec.Struct, frozen=True):
     # KV cells the engine holds for every sequence together (0: context_length). llama.cpp: the
     # unified cache's n_ctx; MLX: the memory its caches may grow into, by the cell price.
     kv_cells: int = 0
+    # Why kv_cells is that many, in words, naming the option that sets it: "8 sequences at once
+    # (n_seq_max) at the model's training context of 8,192 tokens; ...". Start-up lines show it.
+    kv_cells_reason: str = ""
     # One cache of cells for every sequence (llama.cpp's unified cache): a fork shares its
     # parent's cells, and every forward reads every used cell, idle sequences' included.
     unified_cells: bool = False

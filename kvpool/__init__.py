@@ -3,7 +3,7 @@
 It knows bytes, cells, prices and budgets; it knows no engine and no session.
 """
 
-from kvpool.budget import Budget, Device, export_budget, host_memory_available
+from kvpool.budget import Budget, Device, describe_bytes, export_budget, host_memory_available
 from kvpool.entry import EntryInfo, EntryView, Writer
 from kvpool.errors import (DataCorrupt, EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy,
                            PoolCorrupt, PoolError, PoolExists, PoolFormatError, PoolNotFound, ReservationError)
@@ -19,5 +19,5 @@ __all__ = [
     "ArrayTemplate", "Budget", "DataCorrupt", "Device", "EntryBusy", "EntryInfo", "EntryNotFound",
     "EntryTooLarge", "EntryView", "KVArray", "LayoutError", "Pool", "PoolBusy", "PoolCorrupt", "PoolError",
     "PoolExists", "PoolFormatError", "PoolNotFound", "PoolStats", "PrefixMatch", "ReservationError", "Writer",
-    "export_budget", "host_memory_available",
+    "describe_bytes", "export_budget", "host_memory_available",
 ]

@@ -40,7 +40,8 @@ class Budget(msgspec.Struct, frozen=True):
     reason: str
 
 
-def _fmt(n: int) -> str:
+def describe_bytes(n: int) -> str:
+    """A size as people read it: "2.50 GiB", or "512.0 MiB" below a GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
@@ -66,19 +67,19 @@ def export_budget(device: Device, pool_capacity: int, host_available: int, *,
     if not device.is_cpu and not device.free_bytes:
         return Budget(0, 0 if cell_price else None,
                       f"device {device.name} ({device.kind}) reports no free memory, and the budget keeps "
-                      f"a headroom of {_fmt(headroom)} free: nothing granted (free device memory, or lower "
+                      f"a headroom of {describe_bytes(headroom)} free: nothing granted (free device memory, or lower "
                       f"the headroom)")
 
     bounds = [
-        (pool_capacity, f"the pool's capacity ({_fmt(pool_capacity)})"),
-        (cap, f"the cap ({_fmt(cap)})"),
+        (pool_capacity, f"the pool's capacity ({describe_bytes(pool_capacity)})"),
+        (cap, f"the cap ({describe_bytes(cap)})"),
         (max(0, host_available - headroom),
-         f"host memory available ({_fmt(host_available)}) less the headroom ({_fmt(headroom)})"),
+         f"host memory available ({describe_bytes(host_available)}) less the headroom ({describe_bytes(headroom)})"),
     ]
     if not device.is_cpu:
         bounds.append((max(0, device.free_bytes - headroom),
-                       f"{device.name} free memory ({_fmt(device.free_bytes)}) less the headroom "
-                       f"({_fmt(headroom)})"))
+                       f"{device.name} free memory ({describe_bytes(device.free_bytes)}) less the headroom "
+                       f"({describe_bytes(headroom)})"))
     granted, why = min(bounds, key=lambda bound: bound[0])
     cells = granted // cell_price if cell_price else None
     return Budget(granted, cells, f"bounded by {why}")

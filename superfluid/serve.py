@@ -45,6 +45,15 @@ FILES_BESIDE_CONNECTIONS = BACKLOG + REFUSING_ROOM + 256
 SERVE_DEFAULTS = {"llamacpp": {"n_ctx": "-1", "flash_attn": "true"}}
 
 
+class OriginFormatter(logging.Formatter):
+    """A log line headed by who said it: "llama.cpp: " for the lines llama.cpp logs (routed
+    through the `llama.cpp` logger), "superfluid: " for everything else."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        origin = "llama.cpp" if record.name == "llama.cpp" else "superfluid"
+        return f"{origin}: {super().format(record)}"
+
+
 class UsageError(Exception):
     """A bad flag or value (exit 2)."""
 
@@ -178,7 +187,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     with its exit code, never a traceback; the port is taken before the model loads."""
     server = None
     try:
-        logging.basicConfig(level=args.log_level.upper(), format="superfluid: %(message)s", stream=sys.stderr)
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+        logging.getLogger().handlers[0].setFormatter(OriginFormatter())
         # uvicorn's own lines (started, shutting down, waiting for connections) say nothing serve
         # does not; nor its warnings about each malformed request (a 400 it answered). Its errors show.
         logging.getLogger("uvicorn").setLevel(logging.DEBUG if args.log_level == "debug" else logging.ERROR)
@@ -267,14 +277,13 @@ def _failed(exc: BaseException) -> int:
 def _serve(server: Server, runtime: str) -> int:
     """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.server)."""
     host = server.host
-    kv = kv_summary(host.stats())
+
+    sized = start_lines(host, runtime)
 
     def serving() -> None:  # once requests are answered and SIGTERM stops it gracefully
         print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
-        print(f"superfluid: {kv['cells']:,} KV cells at {kv['cell_bytes']:,} bytes each, shared by every session; "
-              f"one session holds up to {host.descriptor.context_length:,} tokens; pool export budget "
-              f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB: up to {kv['pool_tokens']:,} tokens kept in the pool",
-              flush=True)
+        for line in sized:
+            print(f"superfluid: {line}", flush=True)
 
     try:
         server.run(on_serving=serving)
@@ -282,6 +291,33 @@ def _serve(server: Server, runtime: str) -> int:
         host.close()  # run() closed it on the way out; this covers a server that failed to start
     print("superfluid: stopped", flush=True)
     return EXIT_OK
+
+
+# The option that sizes each runtime's KV cells (its --<runtime>-<option> flag is named at start).
+CELLS_OPTION = {"llamacpp": "n_ctx", "mlx": "kv_cells"}
+
+
+def start_lines(host: Host, runtime: str) -> list[str]:
+    """What serve sized and why, said once at start: the engine's cells (how many, their price,
+    what decided their number and the flag that changes it), the context one session may use, and
+    the pool's export budget (how much, in tokens, and what bounds it)."""
+    descriptor = host.descriptor
+    kv = kv_summary(host.stats())
+    flag = f"--{runtime}-{CELLS_OPTION[runtime].replace('_', '-')}" if runtime in CELLS_OPTION else None
+    cells = (f"KV cells: {kv['cells']:,} at {kv['cell_bytes']:,} bytes each "
+             f"({kv['cells'] * kv['cell_bytes'] / 2**30:.2f} GiB), shared by every session")
+    if descriptor.kv_cells_reason:
+        cells += f": {descriptor.kv_cells_reason}"
+    if flag:
+        cells += f"; {flag} sets them"
+    context = descriptor.context_length
+    session = (f"one session holds up to {context:,} tokens: "
+               + ("every cell" if context >= kv["cells"] else "the model's trained context; the other cells are for "
+                  "other sessions"))
+    budget = (f"pool: up to {kv['pool_budget_bytes'] / 2**20:,.0f} MiB of KV kept beyond the cells "
+              f"({kv['pool_tokens']:,} tokens), {host.pool.header.budget_reason}; --pool-bytes and "
+              "--export-budget set it")
+    return [cells, session, budget]
 
 
 def open_file_limit(connections: int) -> int:

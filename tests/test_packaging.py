@@ -43,3 +43,11 @@ def test_another_distributions_engines_package_is_refused_by_name(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("superfluid.parts.ForeignPart: the `engines` package") and str(foreign) in last
     assert "is not superfluid's" in last
+
+
+def test_serving_installs_what_the_engines_import_when_they_run():
+    # scripts/setup installs only the runtimes' extras for serving: MLX reads a GGUF's K-quant
+    # weights through the gguf package, so the mlx extra must bring it (not only the test extra)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(requirement.startswith("gguf") for requirement in extras["mlx"])
+    assert "import gguf" in (ROOT / "engines" / "mlx" / "gguf.py").read_text()

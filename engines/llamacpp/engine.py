@@ -75,7 +75,7 @@ class LlamaCppEngine(Adapter):
     def _open_context(self, path: Path) -> None:
         api, values = self._api, self._values
         self._model_kv = self._read_model_kv()  # priced before the context exists: it sizes n_ctx = -1
-        n_ctx = settings.context_cells(values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
+        n_ctx, self._cells_reason = settings.context_cells(values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
                                        pricing.bytes_per_token(self._model_kv), host_memory_available())
         # One unified cache of n_ctx cells serves every sequence, and each is capped at the trained
         # context (_context_length): llama.cpp's "n_ctx_seq > n_ctx_train" warning does not apply.
@@ -192,6 +192,7 @@ class LlamaCppEngine(Adapter):
                           pricing.bytes_per_token(self._model_kv), self._context_length(), self._n_vocab, packing,
                           device,
                           bos, eos, template.decode() if template else None, kv_cells=self._n_ctx, unified_cells=True,
+                          kv_cells_reason=self._cells_reason,
                           memory=memory.memory(self._kind, self._window, values["swa_full"]))
 
     def _context_length(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from engines.errors import OptionError, RuntimeUnavailable
 from engines.llamacpp.library import INSTALL
 from engines.options import OptionSpec, validate
+from kvpool import describe_bytes
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 ROPE_SCALING = {"unspecified": -1, "none": 0, "linear": 1, "yarn": 2, "longrope": 3}
@@ -132,14 +133,21 @@ def context_params(api: Any, values: dict[str, Any], n_ctx: int, version: str) -
 AUTO_MEMORY_FRACTION = 8  # n_ctx = -1 gives the KV cache at most 1/8 of the memory available
 
 
-def context_cells(n_ctx: int, trained: int, n_seq_max: int, cell_price: int, available: int) -> int:
-    """The cells of the unified KV cache: `n_ctx` as given, the training context for 0, and for
-    -1 what an eighth of the `available` memory holds at `cell_price` bytes per cell, at most
-    `n_seq_max` sessions of the training context (cells nobody uses cost memory, not time:
-    each forward reads only up to the highest cell in use)."""
+def context_cells(n_ctx: int, trained: int, n_seq_max: int, cell_price: int, available: int) -> tuple[int, str]:
+    """The cells of the unified KV cache and why they are that many: `n_ctx` as given, the
+    training context for 0, and for -1 what an eighth of the `available` memory holds at
+    `cell_price` bytes per cell, at most `n_seq_max` sessions of the training context (cells
+    nobody uses cost memory, not time: each forward reads only up to the highest cell in use)."""
     if n_ctx > 0:
-        return n_ctx
+        return n_ctx, f"n_ctx={n_ctx}, as given"
     if n_ctx == 0:
-        return trained
+        return trained, "the model's training context (n_ctx=0)"
     by_memory = available // AUTO_MEMORY_FRACTION // max(cell_price, 1)
-    return max(256, min(by_memory, n_seq_max * trained)) // 256 * 256
+    memory = f"an eighth of the {describe_bytes(available)} of memory available"
+    if by_memory < 256:
+        return 256, f"the fewest cells a context is given: {memory} holds only {by_memory:,} (n_ctx=-1)"
+    if trained <= 0 or by_memory < n_seq_max * trained:  # (a model that names no training context: memory alone)
+        return by_memory // 256 * 256, f"what {memory} holds at {cell_price:,} bytes a cell (n_ctx=-1)"
+    cells = n_seq_max * trained // 256 * 256
+    return max(cells, 256), (f"{n_seq_max} sequences at once (n_seq_max) at the model's training context of "
+                             f"{trained:,} tokens; {memory} would hold {by_memory:,} (n_ctx=-1)")

@@ -135,10 +135,11 @@ class MlxEngine(Adapter):
                           max_sequences=self._values["max_sequences"], copies_on_lane_change=True)
         context = self._config.get("max_position_embeddings") or 0
         cell_price = price.cell_price(self._model_kv)
+        cells, cells_reason = settings.kv_cells(self._values, cell_price, context)
         return Descriptor(RUNTIME, importlib.metadata.version("mlx-lm"), ident, self._model_kv,
                           cell_price, context, self._config["vocab_size"], packing, Device(),
                           bos, eos, self._tokenizer.chat_template,
-                          kv_cells=settings.kv_cells(self._values, cell_price, context),
+                          kv_cells=cells, kv_cells_reason=cells_reason,
                           memory=caches.memory_of(self._new_caches()))
 
     def describe(self) -> Descriptor:

@@ -6,7 +6,7 @@ from typing import Any
 
 from engines.errors import ModelLoadError, OptionError
 from engines.options import OptionSpec, validate
-from kvpool import host_memory_available
+from kvpool import describe_bytes, host_memory_available
 
 OPTIONS = (
     OptionSpec("prefill_chunk", "int", 512, "most tokens one forward takes while prefilling", minimum=1,
@@ -73,9 +73,21 @@ def dequantize_decision(requested: str, on_cpu: bool, float32_bytes: int, availa
     return on_cpu and fits
 
 
-def kv_cells(values: dict[str, Any], cell_price: int, context: int) -> int:
-    """The cells MLX's caches may hold, all sequences together: the kv_cells option, or a
-    quarter of the memory available by the cell price; never more than every sequence can use."""
+def kv_cells(values: dict[str, Any], cell_price: int, context: int) -> tuple[int, str]:
+    """The cells MLX's caches may hold, all sequences together, and why they are that many: the
+    kv_cells option, or a quarter of the memory available by the cell price; never more than
+    every sequence can use."""
     most = values["max_sequences"] * context if context else 0
-    cells = values["kv_cells"] or int(KV_MEMORY_FRACTION * host_memory_available()) // max(cell_price, 1)
-    return min(cells, most) if most else cells
+    sequences = (f"{values['max_sequences']} sequences at once (max_sequences) at the model's context of "
+                 f"{context:,} tokens")
+    if values["kv_cells"]:
+        given = f"kv_cells={values['kv_cells']}"
+        if most and values["kv_cells"] > most:
+            return most, f"{sequences}: every cell they can use ({given} is more)"
+        return values["kv_cells"], f"{given}, as given"
+    available = host_memory_available()
+    cells = int(KV_MEMORY_FRACTION * available) // max(cell_price, 1)
+    memory = f"a quarter of the {describe_bytes(available)} of memory available"
+    if most and cells > most:
+        return most, f"{sequences}; {memory} would hold {cells:,} (kv_cells=0)"
+    return cells, f"what {memory} holds at {cell_price:,} bytes a cell (kv_cells=0)"

@@ -41,6 +41,7 @@ def test_describe_prices_cells_by_cache_type(engine_for):
     assert info.identity.startswith("llamacpp:") and info.vocab_size == 300
     assert info.packing.mixes_prefill_and_decode and info.context_length == 1024
     assert info.device.is_cpu and "im_start" in info.chat_template
+    assert info.kv_cells_reason == f"n_ctx={info.kv_cells}, as given"  # the fixture gives n_ctx
 
 
 @pytest.mark.parametrize("k, v, flash", [("f16", "f16", False), ("q8_0", "q8_0", True), ("q8_0", "f16", False),

@@ -96,6 +96,33 @@ def test_option_validation_converts_command_line_text():
             validate("demo", specs, values)
 
 
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("n_ctx, available, cells, reason", [
+    (4096, 16 * GiB, 4096, "n_ctx=4096, as given"),
+    (0, 16 * GiB, 8192, "the model's training context (n_ctx=0)"),
+    # memory would hold more than 8 sessions of the trained context: the sessions bound it
+    (-1, 16 * GiB, 65536, "8 sequences at once (n_seq_max) at the model's training context of 8,192 tokens; an "
+                          "eighth of the 16.00 GiB of memory available would hold 93,206 (n_ctx=-1)"),
+    # memory holds fewer: it bounds them, rounded down to whole 256-cell blocks
+    (-1, 2 * GiB, 11520, "what an eighth of the 2.00 GiB of memory available holds at 23,040 bytes a cell (n_ctx=-1)"),
+    (-1, 16 << 20, 256, "the fewest cells a context is given: an eighth of the 16.0 MiB of memory available holds "
+                        "only 91 (n_ctx=-1)"),
+])
+def test_the_cells_say_why_they_are_that_many(n_ctx, available, cells, reason):
+    from engines.llamacpp import settings
+
+    assert settings.context_cells(n_ctx, 8192, 8, 23040, available) == (cells, reason)
+
+
+def test_a_model_naming_no_training_context_is_sized_by_memory_alone():
+    from engines.llamacpp import settings
+
+    cells, reason = settings.context_cells(-1, 0, 8, 23040, 2 * GiB)
+    assert cells == 11520 and reason.startswith("what an eighth of the 2.00 GiB")
+
+
 def test_every_declared_llamacpp_option_has_help_and_a_valid_default():
     names = {spec.name for spec in LlamaCppEngine.options()}
     assert {"threads", "n_ctx", "n_seq_max", "cache_type_k", "cache_type_v", "flash_attn", "swa_full",

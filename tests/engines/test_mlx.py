@@ -40,6 +40,7 @@ def test_describe(mlx_engine):
     assert info.runtime == "mlx" and info.identity.startswith("mlx:") and info.vocab_size == 300
     assert info.cell_price == pricing.bytes_per_token(pricing.uniform(2, 2, 16, "f32")) == 512
     assert info.packing.copies_on_lane_change and "im_start" in info.chat_template
+    assert info.kv_cells > 0 and info.kv_cells_reason.endswith("(kv_cells=0)")  # what sized them, in words
 
 
 def test_same_logits_as_llama_cpp_and_each_refuses_the_others_state(mlx_engine, engine_for, pool):
@@ -347,3 +348,18 @@ def test_a_step_asking_for_unknown_logits_is_refused(engine_for, tiny_mlx):
         with pytest.raises(EngineError, match="logits='Last'"):
             engine.step([StepRequest(seq, [1, 2], "Last")])
         assert engine.length(seq) == 0
+
+
+def test_the_cells_say_why_they_are_that_many(monkeypatch):
+    monkeypatch.setattr(settings, "host_memory_available", lambda: 16 << 30)
+    values = {"max_sequences": 8, "kv_cells": 0}
+    assert settings.kv_cells(values, 100_000, 2048) == (
+        16384, "8 sequences at once (max_sequences) at the model's context of 2,048 tokens; a quarter of the 16.00 GiB "
+               "of memory available would hold 42,949 (kv_cells=0)")
+    assert settings.kv_cells(values, 1_000_000, 2048) == (
+        4294, "what a quarter of the 16.00 GiB of memory available holds at 1,000,000 bytes a cell (kv_cells=0)")
+    assert settings.kv_cells(values | {"kv_cells": 1000}, 100_000, 2048) == (1000, "kv_cells=1000, as given")
+    assert settings.kv_cells(values | {"kv_cells": 99999}, 100_000, 2048) == (
+        16384, "8 sequences at once (max_sequences) at the model's context of 2,048 tokens: every cell they can use "
+               "(kv_cells=99999 is more)")
+

@@ -33,9 +33,15 @@ class Served:
                  *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 env={k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"})
-        line = self.process.stdout.readline()
-        assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
-        self.sizing = self.process.stdout.readline()  # the start line of cells, sessions and pool
+        try:
+            line = self.process.stdout.readline()
+            assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
+            # the start lines of cells, one session's context and the pool, the pool's last
+            self.sizing = [self.process.stdout.readline().removeprefix("superfluid: ").rstrip() for _ in range(3)]
+            assert self.sizing[-1].startswith("pool: "), f"the start lines were {self.sizing} {self.stderr()[-2000:]}"
+        except BaseException:
+            self.stop()  # a server that failed to start leaves no process or segment behind
+            raise
         self.url = line.split(" on ")[1].strip()
         self.model = line.split("serving ")[1].split(" ")[0]
         address = urlparse(self.url)

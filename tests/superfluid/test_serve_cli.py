@@ -121,3 +121,16 @@ def test_values_from_the_environment_meet_the_flags_checks(tiny_models, monkeypa
     assert runtime_options("llamacpp", parser.parse_args([]))["n_ctx"] == -1
     with pytest.raises(Exception, match="is an option of the mlx runtime"):
         runtime_options("llamacpp", parser.parse_args(["--mlx-kv-bits", "8"]))
+
+
+def test_each_log_line_is_headed_by_who_said_it():
+    import logging
+
+    from superfluid.serve import OriginFormatter
+
+    def line(logger: str, text: str) -> str:
+        return OriginFormatter().format(logging.LogRecord(logger, logging.WARNING, __file__, 1, text, None, None))
+
+    assert line("llama.cpp", "llama_model_load: error loading model") == "llama.cpp: llama_model_load: error loading model"
+    assert line("superfluid.serve", "serving at most 10 connections") == "superfluid: serving at most 10 connections"
+    assert line("llama.cpp.other", "x") == "superfluid: x"  # only llama.cpp's own logger

@@ -35,11 +35,19 @@ def test_models_and_health(served):
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
-def test_the_start_says_what_was_sized_and_warns_of_nothing_that_does_not_apply(served):
+def test_the_start_says_what_was_sized_and_why_and_warns_of_nothing_that_does_not_apply(served):
     # serve sizes the cells from memory, past the tiny model's trained 2,048 positions: one
     # session is still capped there, so llama.cpp's "training context overflow" is not shown
-    cells = int(served.sizing.split(" KV cells")[0].split()[-1].replace(",", ""))
-    assert cells > 2048 and "shared by every session; one session holds up to 2,048 tokens" in served.sizing
+    cells, session, pool = served.sizing
+    count = int(cells.split()[2].replace(",", ""))
+    assert count > 2048 and cells.startswith("KV cells: ") and ", shared by every session: " in cells
+    assert ("at the model's training context of 2,048 tokens" in cells or "of memory available holds" in cells) \
+        and "(n_ctx=-1); --llamacpp-n-ctx sets them" in cells
+    assert session == "one session holds up to 2,048 tokens: the model's trained context; the other cells are for " \
+                      "other sessions"
+    # the fixture's pool is 64 MiB, less than every other bound on a test machine
+    assert pool.startswith("pool: up to 64 MiB of KV kept beyond the cells (") \
+        and "bounded by the pool's capacity (64.0 MiB); --pool-bytes and --export-budget set it" in pool
     assert "training context overflow" not in served.stderr()
 
 
