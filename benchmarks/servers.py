@@ -169,16 +169,18 @@ def first_text_seconds(client: openai.OpenAI, model: str, messages: list[dict], 
     return seconds if seconds is not None else time.perf_counter() - start
 
 
-def start_ours(model: Path, n_ctx: int, scratch: str, *, pool: str | None = None, threads: int = 2,
+def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None = None, threads: int = 2,
                extra: tuple[str, ...] = ()) -> Served:
-    """`superfluid serve` on `model` through llama.cpp on `threads` threads, on a pool (`pool`,
-    default one named for this process) and log of its own, with `extra` flags."""
+    """`superfluid serve` on `model` through llama.cpp on `threads` threads with `n_ctx` cells
+    (None: serve's default, sized from memory), on a pool (`pool`, default one named for this
+    process) and log of its own, with `extra` flags."""
     from kvpool import segment
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
             "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
-            str(threads), "--llamacpp-threads-batch", str(threads), "--llamacpp-n-ctx", str(n_ctx),
+            str(threads), "--llamacpp-threads-batch", str(threads),
+            *(["--llamacpp-n-ctx", str(n_ctx)] if n_ctx is not None else []),
             # no refusal for waiting long (serve's default 300 s): the peers have no such limit, and
             # how long a request waits here is the shared machine's as much as ours
             "--max-wait-seconds", "86400", *extra]
@@ -209,10 +211,10 @@ def start_theirs(model: Path, n_ctx: int, cache: bool) -> Served:
     return Served(THEIRS_CACHED if cache else THEIRS, argv, port, counts, exact_length={"min_tokens": "max_tokens"})
 
 
-def start_peer(model: Path, n_ctx: int, slots: int | None = None) -> Served:
+def start_peer(model: Path, n_ctx: int, slots: int | None = None, extra: tuple[str, ...] = ()) -> Served:
     """llama.cpp's llama-server on `model` (built once, benchmarks/cpp_server.py) with its
     defaults (4 slots, a unified KV cache, its host-memory prompt cache) or `slots` slots, on 2
-    threads, counting what it evaluates from its own /metrics."""
+    threads, with `extra` flags, counting what it evaluates from its own /metrics."""
     from benchmarks import cpp_server
 
     port = free_port()
@@ -220,7 +222,7 @@ def start_peer(model: Path, n_ctx: int, slots: int | None = None) -> Served:
             "-tb", "2", "-c", str(n_ctx), "--metrics",
             # its unified KV cache comes with automatic slots only: a slot count alone would split
             # the cells (8 slots of 1,024, refusing longer prompts)
-            *(["-np", str(slots), "--kv-unified"] if slots else [])]
+            *(["-np", str(slots), "--kv-unified"] if slots else []), *extra]
 
     def counts(served: Served) -> dict:
         metrics = served.metrics("llamacpp:")

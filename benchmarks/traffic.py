@@ -1,0 +1,250 @@
+"""Traffic as users send it: `superfluid serve` against llama.cpp's llama-server, side by side.
+
+Each server runs in its own child process, one after the other, on the same GGUF, 2 threads and
+flash attention on: ours with serve's defaults (cells sized from memory), llama-server with its
+defaults and with `-np 8 --kv-unified` (8 slots sharing one cache), on 8,192 cells. Every shape is
+driven with the official openai client as OpenAI clients send it: chat completions, no priority
+field, greedy, each reply exactly `reply` tokens long (`ignore_eos`, which both take).
+
+1. one stream decoding: a short prompt, `decode_tokens` tokens streamed; tokens/s.
+2. four streams decoding: four such requests at once; aggregate tokens/s.
+3. conversations: `conversations` conversations of `turns` turns, each opening on its own
+   ~`document`-token document, `clients` clients at once. The turns come back in rounds (every
+   conversation's first turn, then every second turn, ...), so more conversations come back than
+   any server holds in its cells or slots; each turn sends the whole history, as clients do.
+   Wall time until the last reply.
+4. documents beside chats: `documents` requests on ~`long`-token documents sent together, and a
+   one-line chat every `chat_every` s while they run (at least `chats` of them). Wall time until
+   the documents are done; each chat's time to first token (p50, p95).
+5. agents on a shared preamble: `agents` agents of `steps` steps each, every one on the same
+   ~`preamble`-token system prompt plus its own task; each step sends the history with the last
+   reply and a short tool result. Wall time until the last agent's last reply.
+
+Ratios: ours over theirs for rates, theirs over ours for times (above 1: ours ahead). The goal
+(1) is set against the better of llama-server's two configurations.
+
+    .venv/bin/python benchmarks/traffic.py [--quick]   # prints the figures and ratios
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import servers  # noqa: E402
+from benchmarks.harness import Run  # noqa: E402
+from benchmarks.texts import text_of  # noqa: E402
+
+GROUP = "traffic: ours against llama.cpp's llama-server"
+CHATS = "short chats beside the documents, first token"
+SYSTEM = "You are terse."
+
+
+@dataclass(frozen=True)
+class TrafficSizes:
+    """How much of each shape one run sends."""
+
+    decode_tokens: int = 256
+    decode_repeat: int = 5
+    conversations: int = 24
+    turns: int = 3
+    document: int = 750
+    clients: int = 4
+    documents: int = 3
+    long: int = 1800
+    chat_every: float = 1.0
+    chats: int = 20
+    agents: int = 6
+    steps: int = 5
+    preamble: int = 1200
+    reply: int = 32
+
+
+FULL = TrafficSizes()
+QUICK = TrafficSizes(decode_tokens=64, decode_repeat=2, conversations=6, turns=2, document=300, clients=2,
+                     documents=2, long=600, chat_every=0.5, chats=5, agents=3, steps=2, preamble=400, reply=8)
+
+
+def chat(served: servers.Served, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+    """One chat completion of exactly `max_tokens` tokens, as a plain client sends it; its text
+    and the tokens generated."""
+    reply = served.client.chat.completions.create(model=served.model, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0.0, extra_body=served.exact(max_tokens))
+    return reply.choices[0].message.content or "", reply.usage.completion_tokens
+
+
+def streamed_rate(served: servers.Served, prompt: str, tokens: int) -> int:
+    """Stream one chat of exactly `tokens` tokens to its end; the tokens generated."""
+    stream = served.client.chat.completions.create(
+        model=served.model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+        max_tokens=tokens, temperature=0.0, stream=True, stream_options={"include_usage": True},
+        extra_body=served.exact(tokens))
+    generated = 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            generated = chunk.usage.completion_tokens
+    return generated
+
+
+def decoding(run: Run, served: servers.Served, sizes: TrafficSizes, streams: int) -> None:
+    """`streams` streams decoding at once from short prompts: aggregate tokens/s, `decode_repeat` samples."""
+    rates = []
+    for r in range(sizes.decode_repeat):
+        prompts = [f"Write about {text_of(8, salt=700 + 10 * r + i)}." for i in range(streams)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(streams) as workers:
+            generated = sum(workers.map(lambda p: streamed_rate(served, p, sizes.decode_tokens), prompts))
+        rates.append(generated / (time.perf_counter() - start))
+    run.record(f"{served.label}: {label_streams(streams)}", rates, unit="tok/s")
+
+
+def label_streams(streams: int) -> str:
+    return "one stream decoding, tokens/s" if streams == 1 else f"{streams} streams decoding, tokens/s"
+
+
+def conversations(run: Run, served: servers.Served, sizes: TrafficSizes) -> None:
+    """Every conversation's turn t, round after round, through `clients` clients; the wall time."""
+    histories = [[{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": f"{text_of(sizes.document, salt=2000 + c)}\n\nSummarise this."}]
+                 for c in range(sizes.conversations)]
+
+    def turn(history: list[dict], t: int) -> int:
+        if t > 0:
+            history.append({"role": "user", "content": f"And point {t}: {text_of(12, salt=3000 + t)}?"})
+        text, generated = chat(served, history, sizes.reply)
+        history.append({"role": "assistant", "content": text})
+        return generated
+
+    start = time.perf_counter()
+    generated = 0
+    with ThreadPoolExecutor(sizes.clients) as clients:
+        for t in range(sizes.turns):
+            generated += sum(clients.map(lambda h: turn(h, t), histories))
+    run.record(f"{served.label}: {label_conversations(sizes)}", [time.perf_counter() - start])
+    run.note(f"{served.label}: tokens generated in the conversations", generated)
+
+
+def label_conversations(sizes: TrafficSizes) -> str:
+    return (f"{sizes.conversations} conversations x {sizes.turns} turns (~{sizes.document}-token documents), "
+            f"{sizes.clients} clients")
+
+
+def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes) -> None:
+    """`documents` long requests at once, and a one-line chat every `chat_every` s until they are
+    done and `chats` chats were sent (each on a thread of its own, so none waits for a client);
+    the documents' wall time, each chat's first-token time."""
+    start = time.perf_counter()
+    waits: list[float] = []
+
+    def document(d: int) -> float:
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"{text_of(sizes.long, salt=4000 + d)}\n\nSummarise this."}]
+        chat(served, messages, sizes.reply)
+        return time.perf_counter() - start
+
+    def one_chat(c: int) -> None:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Say hello to {text_of(3, salt=c)}."}]
+        waits.append(servers.first_text_seconds(served.client, served.model, messages, 8, temperature=0.0,
+                                                extra_body=served.exact(8)))
+
+    with ThreadPoolExecutor(sizes.documents) as long_ones:
+        pending = [long_ones.submit(document, d) for d in range(sizes.documents)]
+        chatting = []
+        while not all(p.done() for p in pending) or len(chatting) < sizes.chats:
+            chatting.append(threading.Thread(target=one_chat, args=(len(chatting),)))
+            chatting[-1].start()
+            time.sleep(sizes.chat_every)
+        finished = [p.result() for p in pending]  # (a document's failure is raised here)
+        for thread in chatting:
+            thread.join()
+    run.record(f"{served.label}: {label_documents(sizes)}", [max(finished)])
+    if len(waits) != len(chatting):
+        raise RuntimeError(f"{served.label}: {len(chatting) - len(waits)} of {len(chatting)} chats failed")
+    run.record(f"{served.label}: {CHATS}", sorted(waits))
+    run.note(f"{served.label}: chats beside the documents", len(waits))
+
+
+def label_documents(sizes: TrafficSizes) -> str:
+    return f"{sizes.documents} documents (~{sizes.long} tokens) beside short chats: documents done"
+
+
+def agents(run: Run, served: servers.Served, sizes: TrafficSizes) -> None:
+    """`agents` agents at once, `steps` steps each, on one shared preamble; the wall time."""
+    preamble = f"{SYSTEM} {text_of(sizes.preamble, salt=5000)}"
+
+    def agent(a: int) -> int:
+        history = [{"role": "system", "content": preamble},
+                   {"role": "user", "content": f"Task {a}: {text_of(20, salt=5100 + a)}."}]
+        generated = 0
+        for s in range(sizes.steps):
+            text, n = chat(served, history, sizes.reply)
+            generated += n
+            history += [{"role": "assistant", "content": text},
+                        {"role": "user", "content": f"Tool result {s}: {text_of(40, salt=5200 + 10 * a + s)}"}]
+        return generated
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(sizes.agents) as workers:
+        generated = sum(workers.map(agent, range(sizes.agents)))
+    run.record(f"{served.label}: {label_agents(sizes)}", [time.perf_counter() - start])
+    run.note(f"{served.label}: tokens generated by the agents", generated)
+
+
+def label_agents(sizes: TrafficSizes) -> str:
+    return f"{sizes.agents} agents x {sizes.steps} steps on a shared ~{sizes.preamble}-token preamble"
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of `samples`, by the inclusive method."""
+    return statistics.quantiles(samples, n=100, method="inclusive")[int(q) - 1] if len(samples) > 1 else samples[0]
+
+
+def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None]) -> None:
+    """Every shape on each server, one server at a time, then the ratios against each peer."""
+    shapes = [("decoding, one stream", lambda r, s: decoding(r, s, sizes, 1)),
+              ("decoding, four streams", lambda r, s: decoding(r, s, sizes, 4)),
+              ("conversations", lambda r, s: conversations(r, s, sizes)),
+              ("documents beside chats", lambda r, s: documents_beside_chats(r, s, sizes)),
+              ("agents", lambda r, s: agents(r, s, sizes))]
+    with tempfile.TemporaryDirectory() as scratch:
+        for start in (lambda: servers.start_ours(model, None, scratch),
+                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
+                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, slots=8, extra=("-fa", "on"))):
+            served = start()
+            try:
+                chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
+                for name, shape in shapes:
+                    shape(run, served)
+                    tick(f"{served.label}: {name}")
+            finally:
+                served.stop()
+    for label in (label_streams(1), label_streams(4), label_conversations(sizes), label_documents(sizes), CHATS,
+                  label_agents(sizes)):
+        medians = {peer: run.figures[f"{peer}: {label}"].median for peer in servers.PEERS}
+        rate = run.figures[f"{servers.OURS}: {label}"].unit == "tok/s"
+        better = (max if rate else min)(medians, key=medians.get)
+        for peer in servers.PEERS:
+            run.ratio(f"{label}: {'ours / ' + peer if rate else peer + ' / ours'}",
+                      ours=f"{servers.OURS}: {label}", baseline=f"{peer}: {label}", group=GROUP,
+                      goal=1 if peer == better else None)
+    for server in (servers.OURS, *servers.PEERS):
+        samples = run.figures[f"{server}: {CHATS}"].samples
+        run.note(f"{server}: short chats' first token p50 / p95 (s)",
+                 f"{percentile(samples, 50):.3f} / {percentile(samples, 95):.3f} of {len(samples)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return servers.standalone(argv, __doc__.splitlines()[0], "bench-traffic", bench, FULL, QUICK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
