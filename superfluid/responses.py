@@ -4,33 +4,58 @@ report."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from superfluid import api
-from superfluid.errors import ContextFull, HostClosed, Overloaded, SessionBusy, SessionNotFound
+from superfluid.errors import (ChatError, ContextFull, HostClosed, Overloaded, PinLimit, SessionBusy,
+                               SessionNotFound)
+
+
+class HttpError(NamedTuple):
+    """How the HTTP face answers one class of the host's errors."""
+
+    status: int
+    kind: str  # OpenAI's error "type"
+    code: str
+
+
+# Every error of the host's a request can meet, and its answer: the one table both a response's
+# status and an error event inside a stream read, so the two always agree. A class not here (or
+# under one here) is a defect: 500. Looked up along the exception's class hierarchy, nearest first.
+HTTP_ERRORS: dict[type[BaseException], HttpError] = {
+    SessionNotFound: HttpError(404, "not_found_error", "session_not_found"),
+    SessionBusy: HttpError(409, "invalid_request_error", "session_busy"),
+    PinLimit: HttpError(409, "invalid_request_error", "pin_limit"),
+    ContextFull: HttpError(400, "invalid_request_error", "context_length_exceeded"),
+    ChatError: HttpError(400, "invalid_request_error", "chat_template_error"),
+    # before any byte of a response: the client may retry (Retry-After says when)
+    Overloaded: HttpError(503, "server_error", "overloaded"),
+    HostClosed: HttpError(503, "server_error", "shutting_down"),
+}
+
+
+def api_error(exc: BaseException) -> api.ApiError:
+    """`exc` as the server answers it: an ApiError as it is, a host error by HTTP_ERRORS, anything
+    else a 500 that names it (a defect: the client hears of it, the server goes on)."""
+    if isinstance(exc, api.ApiError):
+        return exc
+    answer = next((HTTP_ERRORS[cls] for cls in type(exc).__mro__ if cls in HTTP_ERRORS), None)
+    if answer is None:
+        return api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    return api.ApiError(answer.status, str(exc), kind=answer.kind, code=answer.code)
 
 
 def error_response(exc: BaseException) -> tuple[int, dict, dict | None]:
     """(status, OpenAI-style body, extra headers) for an error before the response began."""
-    if isinstance(exc, api.ApiError):
-        return exc.status, exc.body(), None
-    if isinstance(exc, (SessionBusy, SessionNotFound, ContextFull)):
-        status = 409 if isinstance(exc, SessionBusy) else 404 if isinstance(exc, SessionNotFound) else 400
-        return status, api.ApiError(status, str(exc)).body(), None
-    if isinstance(exc, Overloaded):  # before any byte of a response: the client may retry
-        return 503, api.ApiError(503, str(exc), kind="server_error", code="overloaded").body(), \
-            {"Retry-After": str(exc.retry_after)}
-    if isinstance(exc, HostClosed):
-        return 503, api.ApiError(503, str(exc), kind="server_error").body(), None
-    # a defect: the client hears of it, the server goes on
-    return 500, api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(), None
+    error = api_error(exc)
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    return error.status, error.body(), headers
 
 
 def error_event(exc: BaseException) -> dict:
-    """The body of an SSE error event for an error after a stream began."""
-    if isinstance(exc, api.ApiError):
-        return exc.body()
-    if isinstance(exc, ContextFull):
-        return api.ApiError(400, str(exc), code="context_length_exceeded").body()
-    return api.ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body()
+    """The body of an SSE error event for an error after a stream began (the same as the response
+    would have carried)."""
+    return api_error(exc).body()
 
 
 def kv_summary(stats) -> dict:
