@@ -2,7 +2,9 @@
 
 Each server runs in its own child process, one after the other, on the same GGUF, 2 threads and
 flash attention on: ours with serve's defaults (cells sized from memory), llama-server with its
-defaults and with `-np 8 --kv-unified` (8 slots sharing one cache), on 8,192 cells. Every shape is
+defaults (4 slots on 8,192 cells) and with `-np 8 --kv-unified` (8 slots sharing one cache of as
+many cells as ours sized: on 8,192 the six agents overflow it). A shape a server fails is noted
+as FAILED, with its error, and the others go on. Every shape is
 driven with the official openai client as OpenAI clients send it: chat completions, no priority
 field, greedy, each reply exactly `reply` tokens long (`ignore_eos`, which both take).
 
@@ -28,6 +30,7 @@ Ratios: ours over theirs for rates, theirs over ours for times (above 1: ours ah
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import tempfile
@@ -215,31 +218,43 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
               ("conversations", lambda r, s: conversations(r, s, sizes)),
               ("documents beside chats", lambda r, s: documents_beside_chats(r, s, sizes)),
               ("agents", lambda r, s: agents(r, s, sizes))]
+    cells: dict[str, int] = {}  # ours' cells, once it has sized them, for the 8-slot peer
     with tempfile.TemporaryDirectory() as scratch:
         for start in (lambda: servers.start_ours(model, None, scratch),
                       lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
-                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, slots=8, extra=("-fa", "on"))):
+                      lambda: servers.start_peer(model, cells["ours"], slots=8, extra=("-fa", "on"))):
             served = start()
             try:
+                if served.label == servers.OURS:
+                    cells["ours"] = json.loads(served.get("/health"))["kv"]["cells"]
+                    run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)",
+                             cells["ours"])
                 chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
                 for name, shape in shapes:
-                    shape(run, served)
+                    try:
+                        shape(run, served)
+                    except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
+                        run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
                     tick(f"{served.label}: {name}")
             finally:
                 served.stop()
     for label in (label_streams(1), label_streams(4), label_conversations(sizes), label_documents(sizes), CHATS,
                   label_agents(sizes)):
-        medians = {peer: run.figures[f"{peer}: {label}"].median for peer in servers.PEERS}
+        if f"{servers.OURS}: {label}" not in run.figures:
+            continue
+        medians = {peer: run.figures[f"{peer}: {label}"].median for peer in servers.PEERS
+                   if f"{peer}: {label}" in run.figures}
         rate = run.figures[f"{servers.OURS}: {label}"].unit == "tok/s"
-        better = (max if rate else min)(medians, key=medians.get)
-        for peer in servers.PEERS:
+        better = (max if rate else min)(medians, key=medians.get) if medians else None
+        for peer in medians:
             run.ratio(f"{label}: {'ours / ' + peer if rate else peer + ' / ours'}",
                       ours=f"{servers.OURS}: {label}", baseline=f"{peer}: {label}", group=GROUP,
                       goal=1 if peer == better else None)
     for server in (servers.OURS, *servers.PEERS):
-        samples = run.figures[f"{server}: {CHATS}"].samples
-        run.note(f"{server}: short chats' first token p50 / p95 (s)",
-                 f"{percentile(samples, 50):.3f} / {percentile(samples, 95):.3f} of {len(samples)}")
+        if f"{server}: {CHATS}" in run.figures:
+            samples = run.figures[f"{server}: {CHATS}"].samples
+            run.note(f"{server}: short chats' first token p50 / p95 (s)",
+                     f"{percentile(samples, 50):.3f} / {percentile(samples, 95):.3f} of {len(samples)}")
 
 
 def main(argv: list[str] | None = None) -> int:
