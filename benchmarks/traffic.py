@@ -231,10 +231,14 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
                              cells["ours"])
                 chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
                 for name, shape in shapes:
+                    before = served.counts()
                     try:
                         shape(run, served)
                     except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
                         run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
+                    # what its caches and slots did not hold, it prefilled: the count says which it reused
+                    run.note(f"{served.label}: {name}: prompt tokens evaluated",
+                             int(served.counts()["prompt"] - before["prompt"]))
                     tick(f"{served.label}: {name}")
             finally:
                 served.stop()
