@@ -85,7 +85,7 @@ def chat(served: servers.Served, messages: list[dict], max_tokens: int) -> tuple
     return reply.choices[0].message.content or "", reply.usage.completion_tokens
 
 
-def streamed_rate(served: servers.Served, prompt: str, tokens: int) -> int:
+def streamed_tokens(served: servers.Served, prompt: str, tokens: int) -> int:
     """Stream one chat of exactly `tokens` tokens to its end; the tokens generated."""
     stream = served.client.chat.completions.create(
         model=served.model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
@@ -105,7 +105,7 @@ def decoding(run: Run, served: servers.Served, sizes: TrafficSizes, streams: int
         prompts = [f"Write about {text_of(8, salt=700 + 10 * r + i)}." for i in range(streams)]
         start = time.perf_counter()
         with ThreadPoolExecutor(streams) as workers:
-            generated = sum(workers.map(lambda p: streamed_rate(served, p, sizes.decode_tokens), prompts))
+            generated = sum(workers.map(lambda p: streamed_tokens(served, p, sizes.decode_tokens), prompts))
         rates.append(generated / (time.perf_counter() - start))
     run.record(f"{served.label}: {label_streams(streams)}", rates, unit="tok/s")
 
@@ -155,7 +155,8 @@ def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes
         return time.perf_counter() - start
 
     def one_chat(c: int) -> None:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Say hello to {text_of(3, salt=c)}."}]
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Say hello to {text_of(3, salt=c)}."}]
         waits.append(servers.first_text_seconds(served.client, served.model, messages, 8, temperature=0.0,
                                                 extra_body=served.exact(8)))
 

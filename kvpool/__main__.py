@@ -7,11 +7,8 @@ import sys
 import time
 
 from kvpool import demo, inventory
+from kvpool.budget import describe_bytes
 from kvpool.errors import PoolError
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -24,7 +21,7 @@ def _ls(args: argparse.Namespace) -> int:
         owner = f"alive pid {info.owner_pid}" if info.owner_alive else "none (orphaned)"
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created_at)) if info.created_at else "-"
         entries = "-" if info.entries is None else str(info.entries)
-        print(f"{info.name:<24} {owner:<16} {_size(info.size):>10} {entries:>8}  {created}"
+        print(f"{info.name:<24} {owner:<16} {describe_bytes(info.size):>10} {entries:>8}  {created}"
               + (f"  ({info.problem})" if info.problem else ""))
     return 0
 
@@ -32,7 +29,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     removed = inventory.collect_garbage()
     for info in removed:
-        print(f"removed {info.name} ({_size(info.size)})")
+        print(f"removed {info.name} ({describe_bytes(info.size)})")
     print(f"{len(removed)} orphaned segment(s) removed")
     return 0
 

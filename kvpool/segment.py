@@ -22,6 +22,7 @@ import stat
 import numpy as np
 import posix_ipc
 
+from kvpool.budget import describe_bytes
 from kvpool.errors import PoolBusy, PoolError, PoolExists, PoolFormatError, PoolNotFound, ReservationError
 
 SHM_DIR = "/dev/shm"
@@ -54,10 +55,6 @@ def list_pool_names(uid: int | None = None) -> list[str]:
     return sorted(entry[len(prefix):] for entry in entries if entry.startswith(prefix) and _NAME.match(entry[len(prefix):]))
 
 
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 class Segment:
     """A mapped shared-memory segment and the flock its owner holds."""
 
@@ -87,8 +84,8 @@ class Segment:
             except OSError as exc:
                 free = os.statvfs(SHM_DIR)
                 raise ReservationError(
-                    f"cannot reserve {_fmt(size)} for pool {name!r} in {SHM_DIR} "
-                    f"({os.strerror(exc.errno)}; {_fmt(free.f_bavail * free.f_frsize)} free there): "
+                    f"cannot reserve {describe_bytes(size)} for pool {name!r} in {SHM_DIR} "
+                    f"({os.strerror(exc.errno)}; {describe_bytes(free.f_bavail * free.f_frsize)} free there): "
                     "choose a smaller pool size or enlarge /dev/shm") from None
             segment = cls(name, shm, size, locked=True)
         except BaseException:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engines import models, registry
+from engines.llamacpp.log import LOGGER as LLAMA_LOG
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
@@ -50,7 +51,7 @@ class OriginFormatter(logging.Formatter):
     through the `llama.cpp` logger), "superfluid: " for everything else."""
 
     def format(self, record: logging.LogRecord) -> str:
-        origin = "llama.cpp" if record.name == "llama.cpp" else "superfluid"
+        origin = "llama.cpp" if record.name == LLAMA_LOG.name else "superfluid"
         return f"{origin}: {super().format(record)}"
 
 

@@ -75,8 +75,9 @@ class LlamaCppEngine(Adapter):
     def _open_context(self, path: Path) -> None:
         api, values = self._api, self._values
         self._model_kv = self._read_model_kv()  # priced before the context exists: it sizes n_ctx = -1
-        n_ctx, self._cells_reason = settings.context_cells(values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
-                                       pricing.bytes_per_token(self._model_kv), host_memory_available())
+        n_ctx, self._cells_reason = settings.context_cells(
+            values["n_ctx"], api.llama_model_n_ctx_train(self._model), values["n_seq_max"],
+            pricing.bytes_per_token(self._model_kv), host_memory_available())
         # One unified cache of n_ctx cells serves every sequence, and each is capped at the trained
         # context (_context_length): llama.cpp's "n_ctx_seq > n_ctx_train" warning does not apply.
         with log.expecting(r"n_ctx_seq \(\d+\) > n_ctx_train \(\d+\)"):

@@ -131,6 +131,7 @@ def test_each_log_line_is_headed_by_who_said_it():
     def line(logger: str, text: str) -> str:
         return OriginFormatter().format(logging.LogRecord(logger, logging.WARNING, __file__, 1, text, None, None))
 
-    assert line("llama.cpp", "llama_model_load: error loading model") == "llama.cpp: llama_model_load: error loading model"
+    loaded = line("llama.cpp", "llama_model_load: error loading model")
+    assert loaded == "llama.cpp: llama_model_load: error loading model"
     assert line("superfluid.serve", "serving at most 10 connections") == "superfluid: serving at most 10 connections"
     assert line("llama.cpp.other", "x") == "superfluid: x"  # only llama.cpp's own logger
