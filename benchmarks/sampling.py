@@ -4,7 +4,7 @@ On each model's real logits (one decode step of a short prompt), side by side in
 time per token from logits to token under the same settings:
 
 - ours: the logits copied out of llama.cpp into numpy (as the engine hands them to the Host),
-  then `superfluid.sampling.sample`;
+  then `superfluid.host.sampling.sample`;
 - llama.cpp's: `llama_sampler_sample` on a chain of the same filters (top-k, top-p, min-p,
   temperature, then a draw), which reads the logits inside the context;
 - and a decode step of one token on the same model, for scale: sampling is paid once per token
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.texts import text_of  # noqa: E402
-from superfluid.sampling import Sampling, sample  # noqa: E402
+from superfluid.host.sampling import Sampling, sample  # noqa: E402
 
 GROUP = "sampling a token: ours against llama.cpp's sampler chain"
 # (name, our settings): greedy; temperature alone (OpenAI's default request); nucleus; and

@@ -4,7 +4,7 @@ An engine holds a model and its live KV cache, with several sequences in it. The
 from one thread (the scheduler thread that created it): it steps sequences forward, forks and
 truncates them, describes a sequence's state for the pool (`snapshot`) and reads one back from a
 pool entry (`import_`). Engines never reserve, tag, commit or verify pool entries: the host does
-(`superfluid.transfer`), and hands them memory of the right size. Each engine declares what one
+(`superfluid.host.transfer`), and hands them memory of the right size. Each engine declares what one
 `step` can pack, so the scheduler plans within it:
 
     llama.cpp  prefill chunks and decode tokens of many sequences in one forward

@@ -9,11 +9,11 @@ from superfluid import parts
 
 parts.check()  # before anything imports `engines` or `kvpool` for real use
 
-from superfluid.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded, PinLimit,
+from superfluid.host.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded, PinLimit,
                                SessionBusy, SessionNotFound, SuperfluidError)
-from superfluid.host import Host
-from superfluid.sampling import Sampling
-from superfluid.session import Generation, Piece, Session, SessionInfo
+from superfluid.host.host import Host
+from superfluid.host.sampling import Sampling
+from superfluid.host.session import Generation, Piece, Session, SessionInfo
 
 __version__ = "0.1.0"
 DISTRIBUTION = "superfluid-llm"  # PyPI's "superfluid" is another project
@@ -23,7 +23,7 @@ DISTRIBUTION = "superfluid-llm"  # PyPI's "superfluid" is another project
 _LAZY = {"Pool": ("kvpool", "Pool"), "Budget": ("kvpool", "Budget"), "StepRequest": ("engines.base", "StepRequest"),
          "LlamaCppEngine": ("engines.llamacpp.engine", "LlamaCppEngine"),
          "MlxEngine": ("engines.mlx.engine", "MlxEngine"), "models": ("engines.models", None),
-         "transfer": ("superfluid.transfer", None)}
+         "transfer": ("superfluid.host.transfer", None)}
 
 
 def __getattr__(name: str):

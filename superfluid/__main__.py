@@ -2,6 +2,6 @@
 
 import sys
 
-from superfluid.cli import main
+from superfluid.cli.main import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""The engine boundary: engines describe and read state; the host (superfluid.transfer) reserves,
+"""The engine boundary: engines describe and read state; the host (superfluid.host.transfer) reserves,
 commits, checks identity and verifies, the same way for llama.cpp and MLX."""
 
 import numpy as np

@@ -89,6 +89,6 @@ def test_usage_errors_exit_2():
 
 def test_superfluid_pool_command(owned_pool):
     name, child = owned_pool
-    done = subprocess.run([sys.executable, "-m", "superfluid.cli", "pool", "ls"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "superfluid.cli.main", "pool", "ls"], capture_output=True, text=True)
     assert done.returncode == 0 and f"alive pid {child.pid}" in _line(done.stdout, name)
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "superfluid"))

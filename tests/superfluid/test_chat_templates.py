@@ -6,8 +6,8 @@ import json
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from superfluid.chat import CHATML, ChatTemplate
-from superfluid.errors import ChatError
+from superfluid.host.chat import CHATML, ChatTemplate
+from superfluid.host.errors import ChatError
 from tests import realtemplates
 
 CONVERSATION = [{"role": "system", "content": "Answer in one line. Ünïcödé & <tags> 'quoted'."},

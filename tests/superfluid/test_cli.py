@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def superfluid(*args: str, prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    code = f"{prelude}import sys; from superfluid.cli import main; sys.exit(main({list(args)!r}))"
+    code = f"{prelude}import sys; from superfluid.cli.main import main; sys.exit(main({list(args)!r}))"
     environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SUPERFLUID_BLAS_REEXEC")}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**environment, **(env or {})})

@@ -4,9 +4,9 @@ not rendered again."""
 
 import pytest
 
-from superfluid.chat import ChatTemplate, TemplateRewrites
-from superfluid.commands import OneShot
-from superfluid.conversation_cache import ConversationCache
+from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.commands import OneShot
+from superfluid.host.conversation_cache import ConversationCache
 from tests import realtemplates
 from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING, REAL_CONVERSATIONS, TOKENS
 

@@ -6,7 +6,7 @@ What a window changes: the window layers keep only the last 512 positions, so a 
 cut back past them. Forks, trims, second turns and restarts must still give what a cold run of
 the same tokens gives, by checkpoints (states parked inside and at the end of each prompt); and
 a long session's story gives the same tokens when its KV is parked and preempted at every
-tick (superfluid.churn). The idle timer stays on. Select with -m real_model.
+tick (superfluid.host.churn). The idle timer stays on. Select with -m real_model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from engines import models
 from superfluid import Host
-from superfluid.churn import Churn
+from superfluid.host.churn import Churn
 from tests.conftest import remove_segment, unique_pool_name
 
 pytestmark = pytest.mark.real_model

@@ -3,9 +3,10 @@ began and an error event inside one say the same status, type and code."""
 
 import pytest
 
-from superfluid import api, responses
-from superfluid.chat import TemplateRewrites
-from superfluid.errors import (ChatError, ContextFull, HostClosed, LogCorrupt, Overloaded, PinLimit, SessionBusy,
+from superfluid.http import api
+from superfluid.http import responses
+from superfluid.host.chat import TemplateRewrites
+from superfluid.host.errors import (ChatError, ContextFull, HostClosed, LogCorrupt, Overloaded, PinLimit, SessionBusy,
                                SessionNotFound)
 
 

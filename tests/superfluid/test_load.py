@@ -17,10 +17,10 @@ import pytest
 
 from engines.errors import EngineError
 from superfluid import ContextFull, Host
-from superfluid import scheduler
-from superfluid.churn import Churn
-from superfluid.errors import Overloaded
-from superfluid.sampling import SamplingError
+from superfluid.host import scheduler
+from superfluid.host.churn import Churn
+from superfluid.host.errors import Overloaded
+from superfluid.host.sampling import SamplingError
 from tests.cellengine import CellEngine
 from tests.gate import Gate, decode_steps_of
 from tests.conftest import remove_segment, unique_pool_name

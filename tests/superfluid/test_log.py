@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from superfluid.errors import LogCorrupt
-from superfluid.log import FILE_HEADER, Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
-from superfluid.sampling import Sampling
+from superfluid.host.errors import LogCorrupt
+from superfluid.host.log import FILE_HEADER, Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
+from superfluid.host.sampling import Sampling
 
 
 def opened(session="a"):
@@ -112,7 +112,7 @@ def test_a_contradicting_append_writes_nothing(tmp_path):
 
 
 def test_one_log_directory_serves_one_host_at_a_time(tmp_path):
-    from superfluid.errors import LogBusy
+    from superfluid.host.errors import LogBusy
 
     log = SessionLog(tmp_path)
     with pytest.raises(LogBusy, match="another Host is using the session log"):

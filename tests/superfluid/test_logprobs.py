@@ -4,7 +4,7 @@ on both runtimes and through `superfluid serve` in OpenAI's shapes."""
 import numpy as np
 import pytest
 
-from superfluid.sampling import SamplingError, logprobs
+from superfluid.host.sampling import SamplingError, logprobs
 from tests.superfluid.served import Served
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
@@ -94,8 +94,8 @@ def test_served_chat_logprobs_stream_as_they_do_whole(served):
 
 
 def test_completion_offsets_count_a_character_split_across_tokens_once():
-    from superfluid import logprobs as shapes
-    from superfluid.sampling import TokenLogprobs
+    from superfluid.http import logprobs as shapes
+    from superfluid.host.sampling import TokenLogprobs
 
     split = [TokenLogprobs(1, "😀".encode()[:2], -1.0, ()), TokenLogprobs(2, "😀".encode()[2:], -1.0, ()),
              TokenLogprobs(3, b"!", -1.0, ())]

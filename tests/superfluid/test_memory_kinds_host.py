@@ -6,7 +6,7 @@ a recurrent state), through checkpoints.
 Each story runs three ways: as the host runs by default; with every idle lane parked at every
 tick (each fork, trim and next turn then starts from the pool); and with running lanes also
 preempted every other tick (swapped out inside prompts and between tokens, and resumed by
-import). The host checks its KV bookkeeping after every tick in the last two (superfluid.churn),
+import). The host checks its KV bookkeeping after every tick in the last two (superfluid.host.churn),
 so what a slow machine's timers would do at some point is done at every point.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from superfluid import Host
-from superfluid.churn import Churn
+from superfluid.host.churn import Churn
 from tests import memorykinds, tinymodels
 from tests.conftest import remove_segment, unique_pool_name
 

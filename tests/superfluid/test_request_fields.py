@@ -6,7 +6,7 @@ import json
 import msgspec
 import pytest
 
-from superfluid import api
+from superfluid.http import api
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -85,7 +85,7 @@ def test_a_full_pool_is_not_retried_on_every_token(open_host):
 
 def test_a_pool_that_does_not_fit_the_memory_left_is_refused_with_the_figures(open_host, monkeypatch):
     from engines.errors import ModelLoadError
-    from superfluid import host as host_module
+    from superfluid.host import host as host_module
 
     monkeypatch.setattr(host_module, "host_memory_available", lambda: 32 << 20)  # 32 MiB left after loading
     with pytest.raises(ModelLoadError, match=r"KV pool \(0\.06 GiB\) does not fit in the 0\.03 GiB"):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from superfluid.sampling import Sampling, SamplingError, sample, uniform
+from superfluid.host.sampling import Sampling, SamplingError, sample, uniform
 
 LOGITS = np.array([1.0, 3.0, 2.0, 3.0, -1.0, 0.5])
 
@@ -63,7 +63,7 @@ def reference_candidates(logits: np.ndarray, settings: Sampling) -> set[int]:
 
 @pytest.mark.parametrize("n", [1, 2, 5, 64, 100, 999, 1000])
 def test_the_best_few_are_found_as_a_sort_of_the_whole_would_order_them(n):
-    from superfluid.sampling import _best
+    from superfluid.host.sampling import _best
 
     scores = np.random.default_rng(n).integers(0, 40, 1000).astype(np.float64)  # many ties
     assert _best(scores, n).tolist() == np.argsort(-scores, kind="stable")[:n].tolist()

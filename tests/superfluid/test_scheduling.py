@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engines import registry
-from superfluid.churn import Churn
+from superfluid.host.churn import Churn
 from tests.gate import Gate, decode_steps_of
 
 PROMPT = "The capital of France is Paris. The quick brown fox"

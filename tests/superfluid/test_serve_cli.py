@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvpool import segment
-from superfluid.serve import size
+from superfluid.cli.serve import size
 from tests.conftest import remove_segment, unique_pool_name
 from tests.superfluid.served import ROOT, Served
 
@@ -113,7 +113,7 @@ def test_values_from_the_environment_meet_the_flags_checks(tiny_models, monkeypa
     done = serve("serve", str(tiny_models["f32"].gguf), "--port", "70000")
     assert done.returncode == 2 and "0 to 65535" in one_line(done)
     # an option set in the environment for the other runtime is not this model's business
-    from superfluid.serve import add_arguments, runtime_options
+    from superfluid.cli.serve import add_arguments, runtime_options
 
     monkeypatch.setenv("SUPERFLUID_MLX_KV_BITS", "4")
     parser = argparse.ArgumentParser()
@@ -126,12 +126,12 @@ def test_values_from_the_environment_meet_the_flags_checks(tiny_models, monkeypa
 def test_each_log_line_is_headed_by_who_said_it():
     import logging
 
-    from superfluid.serve import OriginFormatter
+    from superfluid.cli.serve import OriginFormatter
 
     def line(logger: str, text: str) -> str:
         return OriginFormatter().format(logging.LogRecord(logger, logging.WARNING, __file__, 1, text, None, None))
 
     loaded = line("llama.cpp", "llama_model_load: error loading model")
     assert loaded == "llama.cpp: llama_model_load: error loading model"
-    assert line("superfluid.serve", "serving at most 10 connections") == "superfluid: serving at most 10 connections"
+    assert line("superfluid.cli.serve", "serving at most 10 connections") == "superfluid: serving at most 10 connections"
     assert line("llama.cpp.other", "x") == "superfluid: x"  # only llama.cpp's own logger

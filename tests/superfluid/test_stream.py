@@ -2,7 +2,7 @@
 
 import pytest
 
-from superfluid.stream import TextStream
+from superfluid.host.stream import TextStream
 
 
 def feed_all(stream, chunks):

@@ -1,10 +1,10 @@
-"""A worker's name, the session ids it mints, and what it answers a router (superfluid/worker.py)."""
+"""A worker's name, the session ids it mints, and what it answers a router (superfluid/http/worker.py)."""
 
 import msgspec
 import pytest
 
-from superfluid import worker
-from superfluid.stats import HostStats
+from superfluid.http import worker
+from superfluid.host.stats import HostStats
 
 
 def stats(**fields) -> HostStats:

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 from engines.errors import EngineError
 from kvpool import EntryNotFound
-from superfluid import sampling as sampler
-from superfluid.chat import ChatTemplate, TemplateRewrites
-from superfluid.conversation_cache import ConversationCache
-from superfluid.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
-from superfluid.lane import Job, Live
-from superfluid.log import Deleted, Opened, SessionLog, Tokens, Trimmed, Turn
-from superfluid.scheduler import Scheduler
-from superfluid.session import PRIORITIES, Generation, SessionInfo
-from superfluid.stats import Counters, HostStats
-from superfluid.stream import TextStream
+from superfluid.host import sampling as sampler
+from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.conversation_cache import ConversationCache
+from superfluid.host.errors import ContextFull, SessionBusy, SessionNotFound, SuperfluidError
+from superfluid.host.lane import Job, Live
+from superfluid.host.log import Deleted, Opened, SessionLog, Tokens, Trimmed, Turn
+from superfluid.host.scheduler import Scheduler
+from superfluid.host.session import PRIORITIES, Generation, SessionInfo
+from superfluid.host.stats import Counters, HostStats
+from superfluid.host.stream import TextStream
 
 
 @dataclass(frozen=True)

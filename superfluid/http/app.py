@@ -11,7 +11,7 @@ thousand threads.
     POST /v1/chat/completions        stream or not; usage with prompt_tokens_details.cached_tokens
     POST /v1/completions
     POST /v1/sessions …              sessions that outlive a request (docs/server.md)
-    GET  /server_info, /model_info, /get_load    what a router asks a worker (superfluid/worker.py)
+    GET  /server_info, /model_info, /get_load    what a router asks a worker (superfluid/http/worker.py)
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from superfluid import __version__, api, completions, responses, worker
-from superfluid import sampling as sampler
-from superfluid.connections import OVER_CAPACITY
-from superfluid.errors import HostClosed, SessionNotFound
-from superfluid.metrics import CONTENT_TYPE, Metrics
-from superfluid.session import LIVENESS_SECONDS
+from superfluid import __version__
+from superfluid.http import api
+from superfluid.http import completions
+from superfluid.http import responses
+from superfluid.http import worker
+from superfluid.host import sampling as sampler
+from superfluid.http.connections import OVER_CAPACITY
+from superfluid.host.errors import HostClosed, SessionNotFound
+from superfluid.http.metrics import CONTENT_TYPE, Metrics
+from superfluid.host.session import LIVENESS_SECONDS
 
 MAX_BODY = 1 << 20  # bytes of request body
 DRAIN_LIMIT = 16 << 20  # an unread body up to this is read away before the answer; a larger one is cut off

@@ -27,12 +27,12 @@ from typing import Any, NamedTuple
 
 from engines.errors import EngineError
 from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
-from superfluid import transfer
-from superfluid.errors import PinLimit, SuperfluidError
-from superfluid.lane import Live, Span
-from superfluid.log import Parked, SessionLog
-from superfluid.session import PRIORITIES
-from superfluid.stats import Counters
+from superfluid.host import transfer
+from superfluid.host.errors import PinLimit, SuperfluidError
+from superfluid.host.lane import Live, Span
+from superfluid.host.log import Parked, SessionLog
+from superfluid.host.session import PRIORITIES
+from superfluid.host.stats import Counters
 
 INTERACTIVE = PRIORITIES.index("interactive")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from superfluid.sampling import TokenLogprobs
+from superfluid.host.sampling import TokenLogprobs
 
 
 def _spelled(data: bytes) -> str:

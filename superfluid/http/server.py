@@ -1,9 +1,9 @@
-"""`superfluid serve`'s HTTP server: the ASGI application (superfluid.app) on uvicorn, on a socket
+"""`superfluid serve`'s HTTP server: the ASGI application (superfluid.http.app) on uvicorn, on a socket
 bound before the model loads (a taken port costs no load).
 
 What a careless or hostile client cannot do here:
 - hold a connection without asking anything: a request head is due within `header_timeout`
-  seconds of the connection opening or of its previous response (superfluid.connections), its
+  seconds of the connection opening or of its previous response (superfluid.http.connections), its
   body within `body_timeout`, and a kept-alive connection that sends nothing is closed after
   `keep_alive_timeout`;
 - hold a thread: every connection is a few objects on one event loop; the threads are the
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import uvicorn
 
-from superfluid import worker
-from superfluid.app import ROUTES, App
-from superfluid.connections import ServerConfig
-from superfluid.metrics import Metrics
+from superfluid.http import worker
+from superfluid.http.app import ROUTES, App
+from superfluid.http.connections import ServerConfig
+from superfluid.http.metrics import Metrics
 
 HEADER_TIMEOUT = 10.0  # seconds to send a whole request head
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds a kept-alive connection may sit idle (llama-server's and uvicorn's default)
@@ -54,7 +54,7 @@ class Server:
                  worker_name: str | None = None) -> None:
         """Bind `address` ("127.0.0.1", port; port 0 picks a free one) now; `host` may be set
         later (`server.host = Host(...)`), before `run()`. OSError if the address is taken.
-        `worker_name`: this server's name among workers behind a router (superfluid/worker.py)."""
+        `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py)."""
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name or "superfluid"

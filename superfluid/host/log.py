@@ -29,8 +29,8 @@ from typing import Union
 import msgspec
 import xxhash
 
-from superfluid.errors import LogBusy, LogCorrupt
-from superfluid.sampling import Sampling
+from superfluid.host.errors import LogBusy, LogCorrupt
+from superfluid.host.sampling import Sampling
 
 MAGIC = b"SFLOG\0"
 VERSION = 1

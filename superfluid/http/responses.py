@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from superfluid import api
-from superfluid.errors import (ChatError, ContextFull, HostClosed, Overloaded, PinLimit, SessionBusy,
+from superfluid.http import api
+from superfluid.host.errors import (ChatError, ContextFull, HostClosed, Overloaded, PinLimit, SessionBusy,
                                SessionNotFound)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from superfluid import api
+from superfluid.http import api
 
 HEADER = "X-Superfluid-Worker"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

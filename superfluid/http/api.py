@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from superfluid.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
+from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",

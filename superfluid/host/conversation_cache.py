@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from superfluid.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.chat import ChatTemplate, TemplateRewrites
 
 Message = tuple[str, str]  # (role, content)
 

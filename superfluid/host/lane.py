@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from superfluid import sampling as sampler
-from superfluid.log import SessionState
-from superfluid.session import Generation
-from superfluid.stream import TextStream
+from superfluid.host import sampling as sampler
+from superfluid.host.log import SessionState
+from superfluid.host.session import Generation
+from superfluid.host.stream import TextStream
 
 
 class Span(NamedTuple):

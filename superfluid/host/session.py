@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
-from superfluid.errors import HostClosed
-from superfluid.sampling import TokenLogprobs
+from superfluid.host.errors import HostClosed
+from superfluid.host.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
-    from superfluid.host import Host
+    from superfluid.host.host import Host
 
 PRIORITIES = ("interactive", "default", "background")  # most urgent first
 # A reader that waited this long for a piece checks that the scheduler still runs.

@@ -15,13 +15,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from superfluid import api, logprobs, responses
-from superfluid.commands import OneShot
-from superfluid.errors import GenerationTimeout, HostClosed, SessionNotFound
+from superfluid.http import api
+from superfluid.http import logprobs
+from superfluid.http import responses
+from superfluid.host.commands import OneShot
+from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
 
 if TYPE_CHECKING:
-    from superfluid.app import App, Exchange
-    from superfluid.session import Generation, Piece
+    from superfluid.http.app import App, Exchange
+    from superfluid.host.session import Generation, Piece
 
 DEFAULT_MAX_TOKENS = 256
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from superfluid.kv import KVManager
-    from superfluid.lane import Live
+    from superfluid.host.kv import KVManager
+    from superfluid.host.lane import Live
 
 
 class ChurnViolation(AssertionError):

@@ -19,8 +19,8 @@ import sys
 from engines import registry
 from engines.mlx import blas
 from kvpool import __main__ as pool_cli
-from superfluid import runtimes as runtime_commands
-from superfluid import serve
+from superfluid.cli import runtimes as runtime_commands
+from superfluid.cli import serve
 
 
 def main(argv: list[str] | None = None) -> int:

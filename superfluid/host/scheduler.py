@@ -33,14 +33,14 @@ from typing import Any, TypeVar
 from engines.base import StepRequest
 from engines.errors import EngineError, NoRoom
 from kvpool import Pool
-from superfluid import sampling as sampler
-from superfluid.churn import Churn
-from superfluid.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
-from superfluid.kv import INTERACTIVE, KVManager, common_prefix
-from superfluid.lane import Job, Live
-from superfluid.log import SessionLog, Tokens, Trimmed
-from superfluid.session import Piece
-from superfluid.stats import Counters
+from superfluid.host import sampling as sampler
+from superfluid.host.churn import Churn
+from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
+from superfluid.host.kv import INTERACTIVE, KVManager, common_prefix
+from superfluid.host.lane import Job, Live
+from superfluid.host.log import SessionLog, Tokens, Trimmed
+from superfluid.host.session import Piece
+from superfluid.host.stats import Counters
 
 IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
@@ -75,7 +75,7 @@ class Policy:
     max_wait_seconds: float | None = None
     watermarks: tuple[float, float] = (0.9, 0.75)
     max_pinned_fraction: float = 0.5
-    churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/churn.py)
+    churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/host/churn.py)
 
 
 class Scheduler:

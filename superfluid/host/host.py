@@ -25,13 +25,13 @@ from engines import models, registry
 from engines.base import Descriptor, Engine
 from engines.errors import ModelLoadError
 from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, segment
-from superfluid import sampling as sampler
-from superfluid.churn import Churn
-from superfluid.commands import Commands
-from superfluid.log import SessionLog
-from superfluid.scheduler import Policy, Scheduler
-from superfluid.session import PRIORITIES, Session, SessionInfo
-from superfluid.stats import Counters, HostStats
+from superfluid.host import sampling as sampler
+from superfluid.host.churn import Churn
+from superfluid.host.commands import Commands
+from superfluid.host.log import SessionLog
+from superfluid.host.scheduler import Policy, Scheduler
+from superfluid.host.session import PRIORITIES, Session, SessionInfo
+from superfluid.host.stats import Counters, HostStats
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
@@ -69,7 +69,7 @@ class Host:
         step is what every decoding lane and every new request waits for. `engine_factory` opens
         an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
         only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
-        checks the KV bookkeeping as it goes (see superfluid.churn.Churn); outputs do not change.
+        checks the KV bookkeeping as it goes (see superfluid.host.churn.Churn); outputs do not change.
         `clock` gives the seconds that idle parking, generation timeouts and `max_wait_seconds`
         are measured in (monotonic; a test passes one it moves itself)."""
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
@@ -190,7 +190,7 @@ def _policy(**settings: Any) -> Policy:
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
     if settings["churn"] is not None and not isinstance(settings["churn"], Churn):
-        raise TypeError(f"churn={settings['churn']!r}: give a superfluid.churn.Churn, or None")
+        raise TypeError(f"churn={settings['churn']!r}: give a superfluid.host.churn.Churn, or None")
     low, high = settings["watermarks"][1], settings["watermarks"][0]
     if not 0 < low <= high <= 1 or not 0 <= settings["max_pinned_fraction"] <= 1:
         raise ValueError(f"watermarks must satisfy 0 < low ({low}) <= high ({high}) <= 1, and "

@@ -26,7 +26,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from superfluid.errors import ChatError
+from superfluid.host.errors import ChatError
 
 # Used when a model ships no template (the tiny test models ship this one too).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

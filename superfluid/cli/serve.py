@@ -21,12 +21,12 @@ from engines.llamacpp.log import LOGGER as LLAMA_LOG
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
-from superfluid import worker
-from superfluid.errors import LogBusy
-from superfluid.host import DEFAULT_POOL_BYTES, Host
-from superfluid.responses import kv_summary
-from superfluid.connections import REFUSING_ROOM
-from superfluid.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server,
+from superfluid.http import worker
+from superfluid.host.errors import LogBusy
+from superfluid.host.host import DEFAULT_POOL_BYTES, Host
+from superfluid.http.responses import kv_summary
+from superfluid.http.connections import REFUSING_ROOM
+from superfluid.http.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server,
                                model_name_of)
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -276,7 +276,7 @@ def _failed(exc: BaseException) -> int:
 
 
 def _serve(server: Server, runtime: str) -> int:
-    """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.server)."""
+    """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.http.server)."""
     host = server.host
 
     sized = start_lines(host, runtime)

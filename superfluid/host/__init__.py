@@ -1,0 +1,16 @@
+"""The host: one model in this process and everything that runs it.
+
+    host.py        Host, the application's handle: the scheduler thread, the pool, the log
+    session.py     Session and Generation: what an application holds
+    request.py     one generation's request, validated once where it enters
+    sessions.py    the owner of sessions: their state and the records of the session log
+    scheduler.py   the thread that owns the engine: the queue, the plan and the step
+    kv.py          the KV manager: where KV is, what moves it, and who gets room
+    lane.py        a session's place in the engine (its sequence and cells) and its job
+    log.py         the session log: a write-ahead log replayed into each session's state
+    transfer.py    moving one sequence's state between an engine and the pool
+
+and what those use: sampling, stop strings (stream.py), chat templates (chat.py and
+conversation_cache.py), counters (stats.py), errors, and the churn test mode. Nothing here imports
+the HTTP face (superfluid.http) or the command line (superfluid.cli).
+"""
