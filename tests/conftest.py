@@ -14,8 +14,15 @@ import threading
 import pytest
 from hypothesis import settings
 
+from engines.mlx import blas
 from kvpool import Budget, Pool, segment
 from tests import tinymodels
+
+# MLX binds its BLAS when it is first imported, and the tiny MLX models are built with MLX itself:
+# were a fixture to build one before any engine loaded, every MLX engine later in this process
+# would run on the wheel's reference BLAS (Gemma 3 through MLX took 278 s for a test that takes
+# 30 s after OpenBLAS). So OpenBLAS is loaded before anything can import MLX, whatever runs first.
+blas.preload()
 
 # CI explores the same examples every run, so a red build always means a change broke something;
 # elsewhere each run explores new ones.
