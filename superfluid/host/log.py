@@ -37,6 +37,7 @@ VERSION = 1
 FILE_HEADER = MAGIC + struct.pack("<H", VERSION)
 FRAME = struct.Struct("<IQ")
 MAX_RECORD = 64 << 20
+COMPACTION_FLOOR = 1 << 20  # bytes written before compaction is considered (and between two looks)
 SYNC_POLICIES = ("tick", "commit", "never")
 FILE_NAME = "sessions.log"
 LOCK_NAME = "sessions.lock"  # flock'ed by the Host using the directory (the kernel drops it with the process)
@@ -195,6 +196,7 @@ class SessionLog:
         superseded = self._replay()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._written_since_compaction = 0
+        self._next_compaction_check = COMPACTION_FLOOR
         if superseded:
             self.compact()
 
@@ -302,10 +304,17 @@ class SessionLog:
             return True
 
     def should_compact(self) -> bool:
-        """True when the records written since the last compaction outweigh the live snapshot."""
-        if self._written_since_compaction <= 1 << 20:
-            return False  # the common case, checked every tick: no walk over the sessions
-        return self._written_since_compaction > 2 * self._snapshot_estimate()
+        """True when the records written since the last compaction outweigh the live snapshot.
+        Asked every tick, it walks the sessions at most once per COMPACTION_FLOOR bytes written:
+        a tick's cost must not grow with the number of idle sessions."""
+        written = self._written_since_compaction
+        if written < self._next_compaction_check:
+            return False
+        snapshot = self._snapshot_estimate()
+        if written > 2 * snapshot:
+            return True
+        self._next_compaction_check = max(written + COMPACTION_FLOOR, 2 * snapshot)
+        return False
 
     def _snapshot_estimate(self) -> int:
         return sum(16 + 5 * len(s.tokens) + sum(len(m["content"]) for m in s.messages) for s in self.states.values())
@@ -333,6 +342,7 @@ class SessionLog:
                 os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self._written_since_compaction = 0
+            self._next_compaction_check = COMPACTION_FLOOR
             self._dirty = False
 
     def close(self) -> None:
