@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from engines.base import StepRequest
+from superfluid.host.request import GenerateRequest
 
 WAIT_SECONDS = 120  # only a broken test waits this long
 
@@ -42,7 +43,8 @@ class Gate:
         """Queue `session`'s generation (made before the gate was reached: a call waits for the
         scheduler thread) once the engine is held here, then open the gate; the Generation."""
         self.wait_reached()
-        queued = host.submit(host.commands.generate, session.id, max_tokens, (), None, {}, False, False, priority)
+        queued = host.submit(host.commands.generate, session.id, GenerateRequest.of(max_tokens=max_tokens,
+                                                                                     priority=priority))
         self.open()
         return queued.result()
 

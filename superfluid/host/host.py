@@ -30,7 +30,8 @@ from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.log import SessionLog
 from superfluid.host.scheduler import Policy, Scheduler
-from superfluid.host.session import PRIORITIES, Session, SessionInfo
+from superfluid.host.request import Priority
+from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 
 DEFAULT_POOL_BYTES = 512 << 20
@@ -94,8 +95,7 @@ class Host:
             raise
         self.descriptor = self._scheduler.descriptor
         self.pool = self._scheduler.pool
-        self.commands = Commands(self._scheduler, self._log, self._counters)
-        self._scheduler.after_generation = self.commands.close_turn
+        self.commands = Commands(self._scheduler)
         try:
             self.call(self.commands.recover)
         except BaseException:
@@ -127,8 +127,7 @@ class Host:
         if id is not None and system is None and not sampling:
             self.call(self.commands.info, id)  # SessionNotFound if there is none
             return Session(self, id)
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority {priority!r}: use one of {', '.join(PRIORITIES)}")
+        priority = str(Priority.named(priority))  # ValueError naming the classes
         settings = sampler.Sampling(**sampling)
         return Session(self, self.call(self.commands.create, id, system, settings, priority))
 

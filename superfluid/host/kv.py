@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engines.errors import EngineError
 from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
 from superfluid.host import transfer
 from superfluid.host.errors import PinLimit, SuperfluidError
 from superfluid.host.lane import Live, Span
-from superfluid.host.log import Parked, SessionLog
-from superfluid.host.session import PRIORITIES
+from superfluid.host.request import Priority
 from superfluid.host.stats import Counters
 
-INTERACTIVE = PRIORITIES.index("interactive")
+if TYPE_CHECKING:
+    from superfluid.host.sessions import Sessions
+
+INTERACTIVE = Priority.INTERACTIVE
 
 
 class Source(NamedTuple):
@@ -59,10 +61,10 @@ class Source(NamedTuple):
 class KVManager:
     """Placement, admission, swap, idle parking and pins of one engine's sessions."""
 
-    def __init__(self, engine: Any, pool: Pool, log: SessionLog, counters: Counters, *, decode_reserve: int,
+    def __init__(self, engine: Any, pool: Pool, sessions: Sessions, counters: Counters, *, decode_reserve: int,
                  idle_park_seconds: float | None, watermarks: tuple[float, float], max_pinned_fraction: float,
                  order: Callable[[], int]) -> None:
-        self.engine, self.pool, self.log, self.counters = engine, pool, log, counters
+        self.engine, self.pool, self.sessions, self.counters = engine, pool, sessions, counters
         self.descriptor = engine.describe()
         self.cells_total = self.descriptor.kv_cells or self.descriptor.context_length
         self.unified = self.descriptor.unified_cells
@@ -97,7 +99,7 @@ class KVManager:
 
     def reserve_for(self, live: Live) -> int:
         """The decode reserve of `live`'s generation: cells for its first output tokens."""
-        return min(self.decode_reserve, max(0, live.job.max_tokens - 1))
+        return min(self.decode_reserve, max(0, live.job.request.max_tokens - 1))
 
     # ----------------------------------------------------------------------------- admission
 
@@ -256,8 +258,8 @@ class KVManager:
         if parent.seq is not None and len(self.lanes) < self.max_sequences and self.cells_free() >= cells:
             self._open(child, self.engine.fork(parent.seq), parent.kv, parent)
         elif parent.entry is not None and parent.state.parked is not None:
-            child.entry = parent.entry  # the same parked KV: nothing copied, nothing referenced
-            self.log.append(Parked(child.state.id, *parent.state.parked))
+            self.hold(child, parent.entry)  # the same parked KV: nothing copied, nothing referenced
+            self.sessions.parked(child, parent.entry, parent.state.parked[1])
 
     def truncate(self, live: Live, tokens: int) -> None:
         """Cut `live`'s lane to its first `tokens` positions (EngineError from a cache that
@@ -305,8 +307,9 @@ class KVManager:
         if live.seq is not None and live.kv > 0 and not self._parked_as_is(live):
             live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
             try:
-                info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv],
-                                       tag=f"session:{live.state.id}")
+                # a request lane's id means nothing after it ends: its entry is tagged as a request's
+                tag = f"session:{live.state.id}" if live.durable else "request"
+                info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv], tag=tag)
             except (PoolError, EngineError):
                 self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
                 info = None
@@ -314,7 +317,7 @@ class KVManager:
                 self.counters.exports += 1
                 self.hold(live, info.id)
                 self.pool.release(info.id)  # cached, not held: see hold()
-                self.log.append(Parked(live.state.id, info.id, live.kv))
+                self.sessions.parked(live, info.id, live.kv)
         if hold and live.held is None and self._parked_as_is(live):
             self.pool.share(live.entry)
             live.held = live.entry

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from superfluid.host import sampling as sampler
 from superfluid.host.log import SessionState
+from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.session import Generation
 from superfluid.host.stream import TextStream
 
@@ -36,22 +37,20 @@ class Span(NamedTuple):
 
 @dataclass(eq=False)
 class Job:
-    """One generation: what it asked for and where it is."""
+    """One generation: what it asked for (its request, unchanged from where it entered) and where
+    it is."""
 
     generation: Generation
-    max_tokens: int
-    sampling: sampler.Sampling
+    request: GenerateRequest
+    sampling: sampler.Sampling  # the request's overrides over the session's defaults
+    priority: Priority  # the request's, else the session's
     stream: TextStream
-    deadline: float | None
-    priority: int
+    deadline: float | None  # on the scheduler's clock: the request's timeout from its arrival
     arrival: int  # order of arrival (the clock of the scheduler's commands)
     queued_at: float  # when it began waiting (for max_wait_seconds)
     fed_at_arrival: int  # tokens the engine had been fed when it arrived: its age, for short-first with aging
     first: int = 0  # position of the first token this generation produces
     opened_at: int = 0  # the session's length before the generation committed its assistant opening
-    keep_logits: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None  # alternatives each piece's logprobs list (None: no logprobs)
     produced: int = 0
     prefilled: int = 0  # tokens this generation fed before its output
     started: bool = False  # admitted at least once (prompt counters set, the client told)
@@ -61,9 +60,11 @@ class Job:
 
 @dataclass(eq=False)
 class Live:
-    """The scheduler's side of a session: its logged state, and its lane in the engine if any."""
+    """The scheduler's side of a session or a request: its state, its lane in the engine if any,
+    and its generation if one runs. Its state is written only by `Sessions` (superfluid.host.sessions)."""
 
     state: SessionState
+    durable: bool = True  # a session, logged; False: a one-shot request's lane, in memory only
     seq: int | None = None
     kv: int = 0  # state.tokens[:kv] are in the engine sequence
     entry: int | None = None  # the pool entry holding its parked KV (if not evicted since)

@@ -38,8 +38,9 @@ from superfluid.host.churn import Churn
 from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
 from superfluid.host.kv import INTERACTIVE, KVManager, common_prefix
 from superfluid.host.lane import Job, Live
-from superfluid.host.log import SessionLog, Tokens, Trimmed
+from superfluid.host.log import SessionLog, Trimmed
 from superfluid.host.session import Piece
+from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters
 
 IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
@@ -85,7 +86,10 @@ class Scheduler:
                  counters: Counters, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._open_engine, self._open_pool = open_engine, open_pool
         self.log, self.counters, self.policy, self.clock = log, counters, policy, clock
-        self.sessions: dict[str, Live] = {}
+        self.sessions: Sessions | None = None  # the owner of sessions' state, made with the engine
+        # the sessions and request lanes with a generation, in order of arrival: a tick looks at
+        # these and the lanes, never at every session (most are idle)
+        self.active: dict[Live, None] = {}
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self.seconds_per_token: float | None = None  # measured cost of a prefill token (moving average)
         self._commands: queue.Queue = queue.Queue()
@@ -94,7 +98,6 @@ class Scheduler:
         self._stopping = False
         self.error: BaseException | None = None
         self._ready = threading.Event()
-        self.after_generation: Callable | None = None  # run when a generation ends (the chat turn's close)
         self.thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
     def next_order(self) -> int:
@@ -121,9 +124,11 @@ class Scheduler:
             raise
         policy = self.policy
         idle_park_seconds = 0.0 if policy.churn is not None else policy.idle_park_seconds
-        self.kv = KVManager(self.engine, self.pool, self.log, self.counters, decode_reserve=policy.decode_reserve,
+        self.sessions = Sessions(self.log, self.engine, self.next_order, self.clock)
+        self.kv = KVManager(self.engine, self.pool, self.sessions, self.counters, decode_reserve=policy.decode_reserve,
                             idle_park_seconds=idle_park_seconds, watermarks=policy.watermarks,
                             max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
+        self.sessions.kv = self.kv
 
     def _run(self) -> None:
         try:
@@ -143,7 +148,7 @@ class Scheduler:
                     self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
                 self.ticks += 1
                 if self.policy.churn is not None and not self._stopping:
-                    self.policy.churn.after_tick(self.ticks, self.kv, self.sessions.values())
+                    self.policy.churn.after_tick(self.ticks, self.kv, self.sessions)
         except BaseException as exc:  # the engine or the pool failed: every waiter hears of it
             self.error = exc
             self._fail_all(exc)
@@ -195,19 +200,19 @@ class Scheduler:
         self._stopping = True
 
     def _active(self) -> bool:
-        return any(live.job is not None for live in self.sessions.values())
+        return bool(self.active)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for live in self.sessions.values():
-            if live.job is not None:
-                live.job.generation._finish("error", exc)
-                live.job = None
+        for live in list(self.active):
+            live.job.generation._finish("error", exc)
+            live.job = None
+        self.active.clear()
 
     # ----------------------------------------------------------------------------- generations
 
     def waiting(self) -> int:
         """Generations that have not started yet (waiting for their first admission)."""
-        return sum(1 for live in self.sessions.values() if live.job is not None and not live.job.started)
+        return sum(1 for live in self.active if not live.job.started)
 
     def check_capacity(self, live: Live) -> None:
         """Overloaded when a new generation for `live` would wait beyond the bounded queue."""
@@ -222,6 +227,7 @@ class Scheduler:
         reserve fit in the free cells, else it waits (a warm lane that does not fit is parked and
         admitted like any other, by import)."""
         live.job = job
+        self.active[live] = None
         if live.seq is None:
             return
         if self.kv.cells_free() >= live.pending + self.kv.reserve_for(live):
@@ -269,10 +275,8 @@ class Scheduler:
 
     def _end_cancelled_and_late(self, now: float) -> None:
         limit = self.policy.max_wait_seconds
-        for live in list(self.sessions.values()):
+        for live in list(self.active):
             job = live.job
-            if job is None:
-                continue
             if job.generation.cancelled.is_set():
                 self.finish(live, "cancelled")
             elif job.deadline is not None and now > job.deadline:
@@ -286,7 +290,7 @@ class Scheduler:
                     f"without starting (max_wait_seconds={limit}); retry shortly, or raise max_wait_seconds"))
 
     def _admit(self) -> None:
-        waiting = [live for live in self.sessions.values() if live.job is not None and live.seq is None]
+        waiting = [live for live in self.active if live.seq is None]
         sources = {live: self.kv.source(live) for live in waiting}
         uncached = {live: len(live.state.tokens) - max(s.lane_tokens, s.pool_tokens) for live, s in sources.items()}
         for live in sorted(waiting, key=lambda live: self.urgency(live, uncached[live])):
@@ -446,7 +450,8 @@ class Scheduler:
     def _emit(self, live: Live, logits) -> None:
         """Sample the next token from `logits`, commit it, and hand the piece to the generation."""
         job, state = live.job, live.state
-        if job.keep_logits:
+        request = job.request
+        if request.keep_logits:
             job.generation.logits.append(logits.copy())
         position = len(state.tokens)
         try:
@@ -454,35 +459,29 @@ class Scheduler:
         except sampler.SamplingError as exc:  # nothing to sample from: this generation ends, the others go on
             self.finish(live, "error", exc)
             return
-        self.commit(live, [token])
+        self.sessions.commit(live, [token])
         job.produced += 1
-        end_of_turn = token in self.descriptor.eos_tokens and not job.ignore_eos
+        end_of_turn = token in self.descriptor.eos_tokens and not request.ignore_eos
         text = "" if end_of_turn else job.stream.feed(self.engine.detokenize([token]))
-        scored = None if job.logprobs is None else sampler.logprobs(logits, token, job.logprobs,
-                                                                     lambda t: self.engine.detokenize([t]))
+        scored = None if request.logprobs is None else sampler.logprobs(
+            logits, token, request.logprobs, lambda t: self.engine.detokenize([t]))
         job.generation._put(Piece(text, token, scored))
         if end_of_turn or job.stream.stopped is not None:
             self.finish(live, "stop")
-        elif job.produced >= job.max_tokens:
+        elif job.produced >= request.max_tokens:
             self.finish(live, "length")
         elif len(state.tokens) >= self.context_limit():
             self._context_full(live)
         elif live.since_park >= self.policy.checkpoint_tokens:
             self.kv.park(live, keep_lane=True)
 
-    # ----------------------------------------------------------------------------- committing
-
-    def commit(self, live: Live, tokens: list[int], *records, at: int | None = None) -> None:
-        """Append `tokens` to the session (after `records`): logged (written) before anyone hears of
-        them. `at`: where they start when `records` change the session's length (a trim)."""
-        self.log.append(*records, Tokens(live.state.id, len(live.state.tokens) if at is None else at, tokens))
-        live.since_park += len(tokens)
-        live.last_used = self.next_order()
+    # ----------------------------------------------------------------------------- ending
 
     def finish(self, live: Live, reason: str, error: BaseException | None = None) -> None:
         """End the session's generation; its lane stays warm until room is needed or it idles."""
         job = live.job
         live.job = None
+        del self.active[live]
         live.idle_since = self.clock()
         if live.seq is None:
             self.kv.release_held(live)  # ended while swapped out
@@ -495,10 +494,10 @@ class Scheduler:
         if not job.started:  # it never ran: the session is as it was before it asked
             if len(live.state.tokens) > job.opened_at:
                 self.kv.cut(live, job.opened_at)
-                self.log.append(Trimmed(live.state.id, job.opened_at))
-        elif self.after_generation is not None:  # also after an error: the transcript stays whole
+                self.sessions.record(live, Trimmed(live.state.id, job.opened_at))
+        else:  # also after an error: the transcript stays whole
             try:
-                self.after_generation(live, job)
+                self.sessions.close_turn(live, job)
             except Exception as exc:  # a template that cannot close the turn: the tokens are kept
                 error = error or exc
         job.generation.finish_reason = reason

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from superfluid.host.errors import HostClosed
+from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from superfluid.host.host import Host
 
-PRIORITIES = ("interactive", "default", "background")  # most urgent first
 # A reader that waited this long for a piece checks that the scheduler still runs.
 LIVENESS_SECONDS = 0.5
 
@@ -203,9 +203,12 @@ class Session:
         `Generation.logits`; `ignore_eos` goes on past end-of-turn tokens (for fixed-length
         runs); `priority` ("interactive", "default", "background") overrides the session's;
         `logprobs` (0 to 20) gives each piece its token's log-probability and that many of the
-        most likely alternatives (`Piece.logprobs`)."""
-        return self._host.call(self._host.commands.generate, self.id, max_tokens, stop, timeout, sampling, keep_logits,
-                               ignore_eos, priority, logprobs)
+        most likely alternatives (`Piece.logprobs`). A bad value is refused here, with ValueError
+        naming it, before anything reaches the host."""
+        request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
+                                     keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
+                                     logprobs=logprobs)
+        return self._host.call(self._host.commands.generate, self.id, request)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  **sampling) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
@@ -252,6 +253,26 @@ def sampling_of(request: _Sampled) -> dict:
         name = next(iter(penalties), "repeat_penalty") if field == "repetition_penalty" else _SAMPLING_NAMES[field]
         raise ApiError(400, f"`{name}`: {exc}", param=name) from None
     return settings
+
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def max_tokens_of(value: int | None) -> int:
+    """A request's max_tokens (the default when absent); ApiError below 1."""
+    value = DEFAULT_MAX_TOKENS if value is None else value
+    if value < 1:
+        raise ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+    return value
+
+
+def generate_request(request: _Streamed, *, chat: bool, max_tokens: int | None) -> GenerateRequest:
+    """The host's request for what `request` asks (its sampling as overrides, stops, max_tokens,
+    priority, logprobs): validated here, once, and carried unchanged into the generation's job.
+    ApiError 400 naming the field that is wrong."""
+    return GenerateRequest(max_tokens=max_tokens_of(max_tokens), stop=tuple(stops_of(request)), sampling=sampling_of(request),
+                           ignore_eos=request.ignore_eos, logprobs=logprobs_of(request, chat=chat),
+                           priority=None if request.priority is None else Priority.named(request.priority))
 
 
 def stops_of(request: _Streamed) -> list[str]:

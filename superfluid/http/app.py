@@ -336,9 +336,8 @@ class App:
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
-        generation = await self.call(self.host.commands.generate, session_id, completions.max_tokens_of(request.max_tokens),
-                                     api.stops_of(request), None, api.sampling_of(request), False,
-                                     request.ignore_eos, request.priority, api.logprobs_of(request, chat=True))
+        wanted = api.generate_request(request, chat=True, max_tokens=request.max_tokens)
+        generation = await self.call(self.host.commands.generate, session_id, wanted)
         await completions.answer(self, exchange, generation, request, chat=True)
 
     async def _session_fork(self, exchange: Exchange, session_id: str) -> int:

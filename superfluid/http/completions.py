@@ -18,40 +18,31 @@ from typing import TYPE_CHECKING
 from superfluid.http import api
 from superfluid.http import logprobs
 from superfluid.http import responses
-from superfluid.host.commands import OneShot
+from superfluid.host.request import Prompt
 from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
 
 if TYPE_CHECKING:
     from superfluid.http.app import App, Exchange
     from superfluid.host.session import Generation, Piece
 
-DEFAULT_MAX_TOKENS = 256
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
-
-
-def max_tokens_of(value: int | None) -> int:
-    """A request's max_tokens (the default when absent); ApiError below 1."""
-    value = DEFAULT_MAX_TOKENS if value is None else value
-    if value < 1:
-        raise api.ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
-    return value
 
 
 async def one_shot(app: App, exchange: Exchange, request, max_tokens: int | None, *, chat: bool,
                    messages: tuple = (), text: str | None = None) -> None:
-    """A request's own session: opened, filled and started in one scheduler command (a busy
-    engine answers commands between steps, so one wait instead of one per message), answered,
-    then retired into the pool for later requests with the same prefix."""
-    shot = OneShot(api.sampling_of(request), messages, text, max_tokens_of(max_tokens), tuple(api.stops_of(request)),
-                   request.ignore_eos, request.priority, api.logprobs_of(request, chat=chat))
-    session_id, generation = await app.call(app.host.commands.start_one_shot, shot)
+    """A request on a lane of its own (never logged, never listed): opened, filled and started in
+    one scheduler command (a busy engine answers commands between steps, so one wait instead of
+    one per message), answered, then ended: its KV parked in the pool for later requests with the
+    same prefix."""
+    wanted = api.generate_request(request, chat=chat, max_tokens=max_tokens)
+    request_id, generation = await app.call(app.host.commands.start_request, Prompt(messages, text), wanted)
     try:
         await answer(app, exchange, generation, request, chat)
     finally:
         try:
-            await app.call(app.host.commands.retire, session_id)
+            await app.call(app.host.commands.end_request, request_id)
         except (HostClosed, SessionNotFound):
-            pass  # the host closed under it (its close parked the lane), or a client deleted it
+            pass  # the host closed under it (its close parked the lane)
 
 
 async def answer(app: App, exchange: Exchange, generation: Generation, request, chat: bool) -> None:

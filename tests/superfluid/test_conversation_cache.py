@@ -5,7 +5,7 @@ not rendered again."""
 import pytest
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.commands import OneShot
+from superfluid.host.request import GenerateRequest, Prompt
 from superfluid.host.conversation_cache import ConversationCache
 from tests import realtemplates
 from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING, REAL_CONVERSATIONS, TOKENS
@@ -86,11 +86,18 @@ def test_real_templates_give_the_tokens_of_one_message_at_a_time(model):
 
 
 def one_shot(host, messages) -> str:
-    """Start a chat request's own session on `messages` (1 token); its id."""
-    shot = OneShot(sampling={"temperature": 0.0}, messages=tuple(messages), max_tokens=1)
-    session_id, generation = host.call(host.commands.start_one_shot, shot)
+    """Start a chat request on `messages` on a request lane of its own (1 token); the lane's id
+    (the lane stays until the request is ended: here, never)."""
+    session_id, generation = host.call(host.commands.start_request, Prompt(tuple(messages)),
+                                       GenerateRequest(max_tokens=1, sampling={"temperature": 0.0}))
     generation.collect()
     return session_id
+
+
+def lane(host, lane_id):
+    """On the scheduler thread: the session or request lane of that id."""
+    sessions = host.commands.sessions
+    return sessions.requests[lane_id] if lane_id in sessions.requests else sessions.get(lane_id)
 
 
 def test_a_request_holds_what_appending_its_messages_in_turn_holds(open_host):
@@ -102,7 +109,7 @@ def test_a_request_holds_what_appending_its_messages_in_turn_holds(open_host):
     session = host.session()
     for role, content in history:
         session.append_message(role, content)
-    state, one_by_one = (host.call(lambda sid=sid: host.commands.sessions[sid].state) for sid in (request, session.id))
+    state, one_by_one = (host.call(lambda sid=sid: lane(host, sid).state) for sid in (request, session.id))
     # then come the generation prompt, the token generated, and the reply's message
     assert state.tokens[:len(one_by_one.tokens)] == one_by_one.tokens
     assert state.message_ends[:len(history)] == one_by_one.message_ends
@@ -117,7 +124,7 @@ def test_a_request_on_a_template_that_rewrites_past_turns_holds_what_the_whole_r
     messages = [{"role": role, "content": content} for role, content in history]
     whole = host.call(lambda: host.commands.engine.tokenize(
         ChatTemplate(DROPS_PAST_REASONING).render(messages, generation_prompt=True), special=True))
-    state = host.call(lambda: host.commands.sessions[request].state)
+    state = host.call(lambda: lane(host, request).state)
     assert state.tokens[:len(whole)] == whole and state.messages[:3] == messages
 
 

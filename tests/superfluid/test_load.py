@@ -20,6 +20,7 @@ from superfluid import ContextFull, Host
 from superfluid.host import scheduler
 from superfluid.host.churn import Churn
 from superfluid.host.errors import Overloaded
+from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import SamplingError
 from tests.cellengine import CellEngine
 from tests.gate import Gate, decode_steps_of
@@ -70,8 +71,8 @@ def start(host, prompts, **generate):
         out = []
         for session in sessions:
             try:
-                out.append(host.commands.generate(session.id, generate.get("max_tokens", 16), (), None, {}, False,
-                                                  True, generate.get("priority")))
+                out.append(host.commands.generate(session.id, GenerateRequest.of(
+                    max_tokens=generate.get("max_tokens", 16), ignore_eos=True, priority=generate.get("priority"))))
             except Overloaded as exc:
                 out.append(exc)
         return out
@@ -139,7 +140,7 @@ def test_a_generation_that_cannot_start_in_max_wait_seconds_is_refused_untouched
     session.append_tokens(prompt(0, 100))
 
     def queue_and_wait_too_long():  # on the scheduler thread: no tick admits it before the clock moves
-        generation = host.commands.generate(session.id, 4, (), None, {})
+        generation = host.commands.generate(session.id, GenerateRequest(max_tokens=4))
         clock.advance(1.5)
         return generation
 
@@ -264,7 +265,8 @@ def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow
     for session, tokens in zip(sessions, [prompt(1, 1500), prompt(2, 1500), prompt(3, 40)]):
         session.append_tokens(tokens)
     queued = len(engine.steps)
-    generations = host.call(lambda: [host.commands.generate(s.id, 2, (), None, {}, False, True, priority)
+    generations = host.call(lambda: [host.commands.generate(s.id, GenerateRequest.of(max_tokens=2, ignore_eos=True,
+                                                                                     priority=priority))
                                      for s, priority in zip(sessions, ["background", "background", "interactive"])])
     for g in generations:
         g.collect()

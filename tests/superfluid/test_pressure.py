@@ -13,7 +13,7 @@ def test_parked_kv_is_shed_past_the_high_watermark_but_pinned_kv_stays(open_host
     keeper.append_text(PROMPT)
     keeper.complete(max_tokens=4)
     pinned = keeper.pin()
-    entry = host._scheduler.sessions[keeper.id].entry
+    entry = host._scheduler.sessions.get(keeper.id).entry
     budget = host.pool.stats().budget_bytes
     assert 0 < pinned <= budget
     for i in range(12):

@@ -3,6 +3,7 @@
 import pytest
 
 from superfluid import ContextFull, HostClosed
+from superfluid.host.request import GenerateRequest
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
 
@@ -27,7 +28,7 @@ def test_a_generation_that_never_started_leaves_the_chat_as_it_was(open_host, cl
     before = s.tokens
 
     def generate_out_of_time():  # on the scheduler thread: out of time before any tick admits it
-        generation = host.commands.generate(s.id, 100_000, (), 1.0, {})
+        generation = host.commands.generate(s.id, GenerateRequest(max_tokens=100_000, timeout=1.0))
         clock.advance(2.0)
         return generation
 

@@ -1,0 +1,289 @@
+"""The owner of sessions: every change to a session's state, and every record of the session log,
+is made here and nowhere else.
+
+Two kinds of state live here:
+
+- **Sessions** (`Host.session`, `/v1/sessions`): durable. Each change is a log record, written
+  before anyone hears of it, and replayed into the same state after a restart.
+- **Request lanes** (an OpenAI chat or text completion): ephemeral. The client holds the
+  conversation, so nothing of them is logged and nobody else can list, read, fork or delete them.
+  They take the same records, applied in memory only; their KV is parked in the pool under its
+  prefix when they end, as a session's is, so the next request of that conversation (and the same
+  request after a restart) starts from it.
+
+Chat turns are rendered here too (a session's tokens are its messages as the template renders
+them), and read back when a generation ends (the assistant's turn is closed).
+
+Everything here runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvpool import EntryNotFound, Pool
+from superfluid.host import log as session_log
+from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.conversation_cache import ConversationCache
+from superfluid.host.errors import SessionNotFound, SuperfluidError
+from superfluid.host.lane import Job, Live
+from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
+from superfluid.host.sampling import Sampling
+from superfluid.host.session import SessionInfo
+
+if TYPE_CHECKING:
+    from superfluid.host.kv import KVManager
+
+REQUEST_PREFIX = "request-"  # ids of request lanes (never a session's: those are minted as hex or by a worker name)
+
+
+class Sessions:
+    """Every session and request lane of one host: their state, their records, their chat turns."""
+
+    def __init__(self, log: SessionLog, engine: Any, order: Callable[[], int], clock: Callable[[], float]) -> None:
+        self.log, self.engine, self.order, self.clock = log, engine, order, clock
+        self.descriptor = engine.describe()
+        self.durable: dict[str, Live] = {}  # by id: the sessions the log holds
+        self.requests: dict[str, Live] = {}  # by id: request lanes, in memory only
+        self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
+        self._request_ids = itertools.count(1)
+        self._chat: ChatTemplate | None = None
+        self._conversations: ConversationCache | None = None
+
+    # ----------------------------------------------------------------------------- finding
+
+    def get(self, session_id: str) -> Live:
+        """The session of that id (SessionNotFound: none, or a request lane, which is nobody's to touch)."""
+        live = self.durable.get(session_id)
+        if live is None:
+            raise SessionNotFound(f"no session {session_id!r} (see Host.sessions())")
+        return live
+
+    def request(self, request_id: str) -> Live:
+        """The request lane of that id (SessionNotFound once it has ended)."""
+        live = self.requests.get(request_id)
+        if live is None:
+            raise SessionNotFound(f"no request {request_id!r} (it has ended)")
+        return live
+
+    def __iter__(self) -> Iterator[Live]:
+        """Every session and request lane."""
+        return itertools.chain(self.durable.values(), self.requests.values())
+
+    def __len__(self) -> int:
+        return len(self.durable) + len(self.requests)
+
+    # ----------------------------------------------------------------------------- writing
+
+    def record(self, live: Live, *records: Record) -> None:
+        """Apply `records` to `live`'s state: for a session written to the log first (one write:
+        all or nothing), for a request lane in memory only."""
+        if live.durable:
+            self.log.append(*records)
+            return
+        states = {live.state.id: live.state}
+        for record in records:
+            session_log.apply(states, record)
+
+    def commit(self, live: Live, tokens: list[int], *records: Record, at: int | None = None) -> None:
+        """Append `tokens` to `live` (after `records`): logged before anyone hears of them. `at`:
+        where they start when `records` change the length (a trim)."""
+        self.record(live, *records, Tokens(live.state.id, len(live.state.tokens) if at is None else at, tokens))
+        live.since_park += len(tokens)
+        live.last_used = self.order()
+
+    def parked(self, live: Live, entry: int, tokens: int) -> None:
+        """Record that pool entry `entry` holds the KV of `live`'s first `tokens` tokens (the KV
+        manager, which put it there, holds it)."""
+        self.record(live, Parked(live.state.id, entry, tokens))
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def open(self, session_id: str | None, settings: Sampling, priority: str) -> Live:
+        """A new session (`session_id`, or a fresh id)."""
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.durable or session_id.startswith(REQUEST_PREFIX):
+            raise SuperfluidError(f"a session {session_id!r} exists already; resume it with Host.session(id=...)"
+                                  if session_id in self.durable else
+                                  f"session ids starting {REQUEST_PREFIX!r} are the host's own; choose another")
+        self.log.append(Opened(session_id, time.time(), settings, priority))
+        live = self.durable[session_id] = Live(self.log.states[session_id])
+        live.last_used, live.idle_since = self.order(), self.clock()
+        return live
+
+    def open_request(self) -> Live:
+        """A new request lane: a session's state that is never logged and never listed."""
+        request_id = f"{REQUEST_PREFIX}{next(self._request_ids)}"
+        live = Live(SessionState(request_id, time.time(), Sampling(), "default"), durable=False)
+        live.last_used, live.idle_since = self.order(), self.clock()
+        self.requests[request_id] = live
+        return live
+
+    def fork(self, parent: Live, child_id: str | None) -> Live:
+        """A child session with `parent`'s tokens and messages (its KV is the KV manager's to share)."""
+        child_id = child_id or uuid.uuid4().hex
+        if child_id in self.durable:
+            raise SuperfluidError(f"a session {child_id!r} exists already; fork into a new id")
+        state = parent.state
+        records = [Opened(child_id, time.time(), state.sampling, state.priority, state.id)]
+        records += [Turn(child_id, m["role"], m["content"], end) for m, end in zip(state.messages, state.message_ends)]
+        records.append(Tokens(child_id, 0, list(state.tokens)))
+        self.log.append(*records)
+        child = self.durable[child_id] = Live(self.log.states[child_id])
+        child.last_used, child.idle_since = self.order(), self.clock()
+        return child
+
+    def trim(self, live: Live, n_tokens: int) -> None:
+        """Keep `live`'s first `n_tokens` tokens (and the messages that end within them)."""
+        self.kv.cut(live, n_tokens)
+        self.record(live, Trimmed(live.state.id, n_tokens))
+        if live.state.parked is None:  # the parked KV reached past the cut: it is not the session's now
+            self.kv.hold(live, None)
+
+    def remove(self, live: Live) -> None:
+        """Forget a session (logged as deleted) or a request lane; its KV is the KV manager's to drop."""
+        if live.durable:
+            self.log.append(Deleted(live.state.id))
+            del self.durable[live.state.id]
+        else:
+            del self.requests[live.state.id]
+
+    def recover(self, pool: Pool) -> None:
+        """Sessions from the replayed log, each with the KV it had parked if the segment still
+        holds it (any other cached prefix is found by the pool's prefix index when it resumes)."""
+        for state in self.log.states.values():
+            live = Live(state)
+            if state.parked is not None:
+                entry, tokens = state.parked
+                try:
+                    info = pool.info(entry)
+                except EntryNotFound:
+                    info = None
+                # A recreated pool numbers entries from 1 again: the tag (this session's, or the
+                # parent's for a fork that shared its parent's parked KV) tells them apart.
+                owners = {f"session:{state.id}", f"session:{state.parent}"}
+                if (info is not None and info.identity == self.descriptor.identity and info.tokens == tokens
+                        and info.tag in owners):
+                    live.entry = entry
+            self.durable[state.id] = live
+
+    # ----------------------------------------------------------------------------- chat
+
+    def template(self) -> ChatTemplate:
+        """The model's chat template, with the text of its special tokens (made on first use)."""
+        if self._chat is None:
+            info = self.descriptor
+            special = lambda token: self.engine.detokenize([token]).decode(errors="replace") if token is not None else ""  # noqa: E731
+            self._chat = ChatTemplate(info.chat_template, special(info.bos_token),
+                                      special(info.eos_tokens[0] if info.eos_tokens else None))
+        return self._chat
+
+    def conversations(self) -> ConversationCache:
+        """Recent requests' histories as tokens (made on first use)."""
+        if self._conversations is None:
+            self._conversations = ConversationCache(self.template(), lambda text: self.engine.tokenize(text, special=True))
+        return self._conversations
+
+    def append_message(self, live: Live, role: str, content: str) -> None:
+        """A chat message, rendered by the model's template."""
+        message = {"role": role, "content": content}
+        try:
+            text = self.template().turn(live.state.messages, message)
+        except TemplateRewrites:
+            self._rerender(live, message)
+            return
+        tokens = self.engine.tokenize(text, special=True)
+        self.commit(live, tokens, Turn(live.state.id, role, content, len(live.state.tokens) + len(tokens)))
+
+    def _rerender(self, live: Live, message: dict) -> None:
+        """Add `message` under a template that rewrites earlier turns: the whole conversation is
+        rendered and tokenized, the session keeps its longest common token prefix with that (and
+        the KV of it), and the rest replaces what followed, as llama-server reuses a cached prompt.
+        Raw tokens appended between messages are not part of any rendering, so they go too."""
+        state = live.state
+        messages = [*state.messages, message]
+        tokens = self.engine.tokenize(self.template().render(messages), special=True)
+        keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
+                                                                                             len(state.tokens)))
+        records = []
+        if keep < len(state.tokens):
+            self.kv.cut(live, keep)
+            records.append(Trimmed(state.id, keep))
+        kept = sum(1 for end in state.message_ends if end <= keep)  # the messages the cut leaves whole
+        # where a rewritten message ends inside the new text is unknown: each ends with the whole
+        records += [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[kept:]]
+        self.commit(live, tokens[keep:], *records, at=keep)  # one log append: all or nothing
+        if state.parked is None:
+            self.kv.hold(live, None)
+
+    def append_tokens(self, live: Live, tokens: list[int]) -> None:
+        """Raw token ids (ValueError for ids outside the vocabulary)."""
+        vocab = self.descriptor.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary (0..{vocab - 1})")
+        self.commit(live, list(tokens))
+
+    def append_text(self, live: Live, text: str) -> None:
+        """Text tokenized as it is; at the start of a session, after a BOS where the model asks
+        for one (as llama-cpp-python and llama-server tokenize a raw prompt)."""
+        tokens = self.engine.tokenize(text, special=True)
+        bos = self.descriptor.bos_token
+        if bos is not None and not live.state.tokens and tokens[:1] != [bos]:
+            tokens = [bos, *tokens]
+        self.append_tokens(live, tokens)
+
+    def open_conversation(self, live: Live, messages: tuple[tuple[str, str], ...]) -> None:
+        """A new session's whole history, as `append_message` one at a time would add it, in one
+        record, rendering only what recent requests did not (see ConversationCache)."""
+        try:
+            pieces = self.conversations().tokens(messages)
+        except TemplateRewrites:  # each message in turn, the history rendered again where it must be
+            for role, content in messages:
+                self.append_message(live, role, content)
+            return
+        tokens, turns, start = [], [], len(live.state.tokens)
+        for (role, content), piece in zip(messages, pieces):
+            tokens += piece
+            turns.append(Turn(live.state.id, role, content, start + len(tokens)))
+        self.commit(live, tokens, *turns)
+
+    def opening(self, live: Live) -> list[int]:
+        """The tokens that open the assistant's turn in a chat session (none outside a chat)."""
+        if not live.state.messages:
+            return []
+        return self.engine.tokenize(self.template().opening(live.state.messages), special=True)
+
+    def close_turn(self, live: Live, job: Job) -> None:
+        """After a chat generation: the assistant's message, and the template's end-of-turn text."""
+        if not live.state.messages:
+            return
+        produced = live.state.tokens[job.first:]
+        eos = self.descriptor.eos_tokens
+        ended = bool(produced) and produced[-1] in eos
+        reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
+        try:
+            closing = self.template().closing(live.state.messages, reply)
+        except TemplateRewrites:  # the reply renders otherwise than it was written (a template that
+            # strips reasoning, or trims the reply): the session takes what the template renders
+            self._rerender(live, {"role": "assistant", "content": job.stream.text})
+            return
+        if ended:
+            mark = self.engine.detokenize([produced[-1]]).decode(errors="replace")
+            closing = closing[len(mark):] if closing.startswith(mark) else closing
+        tokens = self.engine.tokenize(closing, special=True) if closing else []
+        self.commit(live, tokens, Turn(live.state.id, "assistant", job.stream.text,
+                                       len(live.state.tokens) + len(tokens)))
+
+    # ----------------------------------------------------------------------------- reading
+
+    @staticmethod
+    def info(live: Live) -> SessionInfo:
+        """A session's summary."""
+        state = live.state
+        return SessionInfo(state.id, len(state.tokens), len(state.messages), state.priority, state.created,
+                           state.parent, state.parked[1] if state.parked else 0, live.job is not None)
