@@ -155,6 +155,19 @@ class StepRequest(NamedTuple):
 
 
 @runtime_checkable
+class Tokenizer(Protocol):
+    """A model's text to token ids and back, safe from any thread: it never touches the engine's
+    context or sequences (so a request's prompt is tokenized on the caller's side, beside the
+    steps of the thread that owns the engine)."""
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text` (special tokens in the text are parsed when `special`)."""
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of `tokens`."""
+
+
+@runtime_checkable
 class Engine(Protocol):
     """The primitive runtime: what the host needs from llama.cpp, MLX, or anything else."""
 
@@ -166,6 +179,9 @@ class Engine(Protocol):
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """The bytes of `tokens` (bytes: a character may be split across tokens)."""
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, for any thread (the engine's own tokenize is its owner's)."""
 
     def new_sequence(self) -> int:
         """A new, empty sequence id (NoRoom when all are in use)."""

@@ -69,6 +69,10 @@ class CellEngine:
         """One letter per token."""
         return bytes(ord("a") + t % 26 for t in tokens)
 
+    def tokenizer(self) -> CellEngine:
+        """Itself: its text methods touch no cells, so they are safe from any thread."""
+        return self
+
     # ----------------------------------------------------------------------------- cells
 
     def cells_used(self) -> int:

@@ -4,7 +4,8 @@ unified KV cache, and their state moved to and from the pool with exactly one co
 Everything here calls llama.cpp from the thread that created the engine and from no other: on
 the portable build a second calling thread makes every decode step about three times slower
 (measured: 31 ms a SmolLM2 step instead of 10.7, through OpenMP). Calls from another thread raise
-WrongThread.
+WrongThread. The one exception is `tokenizer()`, which reads the vocabulary and never the context
+(engines/llamacpp/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
 from engines.errors import EngineError, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
 from engines.llamacpp import blob, canary, library, log, memory, settings
+from engines.llamacpp.tokenizer import LlamaTokenizer
 from kvpool import Device, EntryView, host_memory_available, pricing
 
 RUNTIME = "llamacpp"
@@ -89,6 +91,7 @@ class LlamaCppEngine(Adapter):
         self._n_ctx = api.llama_n_ctx(self._ctx)
         self._vocab = api.llama_model_get_vocab(self._model)
         self._n_vocab = api.llama_vocab_n_tokens(self._vocab)
+        self._text = LlamaTokenizer(api, self._vocab, self._n_vocab)
         self._memory = self._lib.memory
         self._mem = self._memory.handle(self._ctx)
         # llama.cpp caps n_batch at n_ctx: a step split at the option's value could overrun it
@@ -101,7 +104,6 @@ class LlamaCppEngine(Adapter):
         self._seq_slots = [self._batch.seq_id[i] for i in range(self._n_batch)]
         self._slot_seq = [-1] * self._n_batch
         self._free_seqs = list(range(values["n_seq_max"]))
-        self._pieces: dict[int, bytes] = {}
         self._copied = self._copies = 0  # recurrent state copied by forks
         self._template = self._learn_template(self._probe_blob_header())
         self._model_kv = memory.model_kv(self._template, self._window)  # exact, from the rows it writes
@@ -216,32 +218,16 @@ class LlamaCppEngine(Adapter):
     def tokenize(self, text: str, *, special: bool = True, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it are parsed when `special`."""
         self._check_thread()
-        data = text.encode()
-        capacity = len(data) + 8
-        while True:
-            buffer = (self._api.llama_token * capacity)()
-            n = self._api.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
-            if n >= 0:
-                return list(buffer[:n])
-            capacity = -n
+        return self._text.tokenize(text, special=special, add_bos=add_bos)
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """The bytes of `tokens`, special tokens rendered."""
         self._check_thread()
-        return b"".join(self._piece(int(t)) for t in tokens)
+        return self._text.detokenize(tokens)
 
-    def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            if not 0 <= token < self._n_vocab:
-                raise EngineError(f"token {token} is outside the vocabulary of {self._n_vocab}")
-            buffer = ctypes.create_string_buffer(64)
-            n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-            if n < 0:
-                buffer = ctypes.create_string_buffer(-n)
-                n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-            piece = self._pieces[token] = buffer.raw[:n]
-        return piece
+    def tokenizer(self) -> LlamaTokenizer:
+        """The model's tokenizer, safe from any thread (it reads the vocabulary, never the context)."""
+        return self._text
 
     # ----------------------------------------------------------------------------- sequences
 
@@ -404,6 +390,10 @@ class LlamaCppEngine(Adapter):
             api.llama_free(self._ctx)
             self._ctx = None
         if self._model:
-            api.llama_model_free(self._model)
-            self._model = None
+            model, self._model = self._model, None
+            text = getattr(self, "_text", None)  # none yet when loading failed before the vocabulary
+            if text is None:
+                api.llama_model_free(model)
+            else:
+                text.close(lambda: api.llama_model_free(model))  # once no other thread is tokenizing
 

@@ -34,6 +34,7 @@ from engines.errors import (EngineError, ModelLoadError, NoRoom, OptionError, Ru
                             StateError)
 from engines.mlx import batch as batching
 from engines.mlx import blas, buffer_cache, caches, gguf, price, settings, vocab
+from engines.mlx.tokenizer import HfTokenizer
 from kvpool import Device, EntryView, KVArray
 
 RUNTIME = "mlx"
@@ -75,6 +76,7 @@ class MlxEngine(Adapter):
         else:
             raise ModelLoadError(f"no model at {path}: MLX loads an mlx-lm model directory (config.json and "
                                  "safetensors weights) or a llama GGUF file")
+        self._text = HfTokenizer(self._tokenizer)
         self._previous_cache_limit = None
         self._sequences: dict[int, list] = {}
         self._sharing: dict[tuple[int, int], set[int]] = {}  # (seq, layer) -> sequences sharing its buffers
@@ -151,12 +153,16 @@ class MlxEngine(Adapter):
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text` (no BOS added)."""
         self._check_thread()
-        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not special))
+        return self._text.tokenize(text, special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """The bytes of `tokens`, special tokens rendered."""
         self._check_thread()
-        return self._tokenizer.decode(list(tokens), skip_special_tokens=False).encode()
+        return self._text.detokenize(tokens)
+
+    def tokenizer(self) -> HfTokenizer:
+        """The model's tokenizer, safe from any thread (it never touches MLX)."""
+        return self._text
 
     # ----------------------------------------------------------------------------- sequences
 

@@ -11,6 +11,7 @@ from engines.llamacpp import blob as blobs, library, memory
 from engines.llamacpp.engine import LlamaCppEngine
 from kvpool import pricing
 from superfluid import transfer
+from tests.conftest import in_threads
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
 
@@ -313,3 +314,17 @@ def test_an_import_counts_the_copy_llama_cpp_makes_from_pool_memory(engine_for, 
     with pool.get(info.id, verify=False) as view:
         transfer.import_(engine, engine.new_sequence(), view)
     assert pool.stats().bytes_copied == 2 * written
+
+
+def test_the_tokenizer_answers_any_thread_and_refuses_once_the_model_is_closed(engine_for):
+    engine = engine_for()
+    text = "The capital of France is Paris.<|im_end|>"
+    tokenizer = engine.tokenizer()
+    tokens = engine.tokenize(text)
+    elsewhere = in_threads(lambda _: (tokenizer.tokenize(text), tokenizer.detokenize(tokens)), 4)
+    assert elsewhere == [(tokens, text.encode())] * 4
+    with pytest.raises(WrongThread):
+        in_threads(lambda _: engine.tokenize(text), 1)  # the engine's own methods stay its owner's
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        tokenizer.tokenize(text)

@@ -10,6 +10,7 @@ from engines.mlx.engine import MlxEngine
 from kvpool import DataCorrupt, KVArray, pricing
 from superfluid import transfer
 from tests import tinymodels
+from tests.conftest import in_threads
 
 PROMPT = "The capital of France is Paris. The quick brown fox"
 
@@ -363,3 +364,11 @@ def test_the_cells_say_why_they_are_that_many(monkeypatch):
         16384, "8 sequences at once (max_sequences) at the model's context of 2,048 tokens: every cell they can use "
                "(kv_cells=99999 is more)")
 
+
+
+def test_the_tokenizer_answers_any_thread(mlx_engine):
+    text = "The capital of France is Paris.<|im_end|>"
+    tokenizer = mlx_engine.tokenizer()
+    tokens = mlx_engine.tokenize(text)
+    elsewhere = in_threads(lambda _: (tokenizer.tokenize(text), tokenizer.detokenize(tokens)), 4)
+    assert elsewhere == [(tokens, text.encode())] * 4

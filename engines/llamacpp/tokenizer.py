@@ -1,0 +1,72 @@
+"""llama.cpp's tokenizer, safe from any thread: it reads the model's vocabulary, never the
+context, so a request's text can be tokenized beside the scheduler thread's decode steps.
+
+Only calls that run ggml's compute bring OpenMP thread teams, which is why the engine itself is
+called from one thread. Tokenizing is not one of them: on SmolLM2 with 2 threads on 2 cores,
+decode ran at 0.96-0.97 of its speed alone while a second thread that had tokenized stayed alive
+(a thread that has decoded makes every step about 3x slower). What a thread tokenizing without
+pause does cost is the CPU it takes (0.27 of the speed on 2 cores), as any other work would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from engines.errors import EngineError
+
+
+class LlamaTokenizer:
+    """Text to token ids and back through a loaded model's vocabulary (thread-safe)."""
+
+    def __init__(self, api: Any, vocab: Any, n_vocab: int) -> None:
+        """`vocab`: llama_model_get_vocab of a model that stays loaded until `close`."""
+        self._api, self._vocab, self._n_vocab = api, vocab, n_vocab
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes (a dict read and set is atomic)
+        # Held while calling into the vocabulary, and by close(): the model is never freed under a call.
+        self._lock = threading.Lock()
+
+    def tokenize(self, text: str, *, special: bool = True, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it are parsed when `special`."""
+        data = text.encode()
+        capacity = len(data) + 8
+        with self._lock:
+            self._check_open()
+            while True:
+                buffer = (self._api.llama_token * capacity)()
+                n = self._api.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
+                if n >= 0:
+                    return list(buffer[:n])
+                capacity = -n
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of `tokens`, special tokens rendered."""
+        return b"".join(self.piece(int(t)) for t in tokens)
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self._n_vocab:
+                raise EngineError(f"token {token} is outside the vocabulary of {self._n_vocab}")
+            with self._lock:
+                self._check_open()
+                buffer = ctypes.create_string_buffer(64)
+                n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+                if n < 0:
+                    buffer = ctypes.create_string_buffer(-n)
+                    n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+            piece = self._pieces[token] = buffer.raw[:n]
+        return piece
+
+    def close(self, free_model) -> None:
+        """Call `free_model` once no tokenization is running; any later one raises EngineError."""
+        with self._lock:
+            self._vocab = None
+            free_model()
+
+    def _check_open(self) -> None:
+        if self._vocab is None:
+            raise EngineError("the model was closed: its tokenizer is gone with it")
