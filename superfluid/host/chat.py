@@ -85,6 +85,7 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatError(f"the model's chat template does not parse: {exc}") from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+        self.messages_rendered = 0  # messages handed to the template so far, every rendering together
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -96,6 +97,7 @@ class ChatTemplate:
         for message in messages:
             if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
                 raise ChatError(f"a chat message needs a role ({', '.join(ROLES)}) and text content; got {message!r}")
+        self.messages_rendered += len(messages)
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=generation_prompt,
                                          **self._tokens)

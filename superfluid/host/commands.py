@@ -11,7 +11,8 @@ from __future__ import annotations
 from engines.errors import EngineError
 from superfluid.host.errors import ContextFull, SessionBusy, SuperfluidError
 from superfluid.host.lane import Job, Live
-from superfluid.host.request import GenerateRequest, Priority, Prompt
+from superfluid.host.prompts import PreparedPrompt
+from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import Sampling
 from superfluid.host.scheduler import Scheduler
 from superfluid.host.session import Generation, SessionInfo
@@ -44,10 +45,6 @@ class Commands:
     def template(self):
         """The model's chat template (see Sessions.template)."""
         return self.sessions.template()
-
-    def conversations(self):
-        """Recent requests' histories as tokens (see Sessions.conversations)."""
-        return self.sessions.conversations()
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -99,8 +96,10 @@ class Commands:
         """Queue a generation of the session as `request` asks (Overloaded when the wait queue is full)."""
         return self._start(self._live(session_id, idle=True), request)
 
-    def _start(self, live: Live, request: GenerateRequest) -> Generation:
-        opening = self.sessions.opening(live)
+    def _start(self, live: Live, request: GenerateRequest, opening: list[int] | None = None) -> Generation:
+        """Queue `live`'s generation; `opening`: the assistant's opening, where it was tokenized
+        already (None: rendered here, for a chat)."""
+        opening = self.sessions.opening(live) if opening is None else opening
         total, limit = len(live.state.tokens) + len(opening), self.scheduler.context_limit()
         name = f"session {live.state.id!r}" if live.durable else "the request"
         if not total:
@@ -124,17 +123,15 @@ class Commands:
         self.scheduler.enqueue(live, job)
         return generation
 
-    def start_request(self, prompt: Prompt, request: GenerateRequest) -> tuple[str, Generation]:
+    def start_request(self, prompt: PreparedPrompt, request: GenerateRequest) -> tuple[str, Generation]:
         """A one-shot request (an OpenAI chat or text completion) on a request lane of its own:
-        never logged, never listed, forked or deleted by anyone. (The lane's id for `end_request`,
-        the generation.) On any refusal (Overloaded, ContextFull) the lane is gone again."""
+        never logged, never listed, forked or deleted by anyone; its prompt built on the caller's
+        side (Host.prepare). (The lane's id for `end_request`, the generation.) On any refusal
+        (Overloaded, ContextFull) the lane is gone again."""
         live = self.sessions.open_request()
         try:
-            if prompt.messages:
-                self.sessions.open_conversation(live, prompt.messages)
-            if prompt.text is not None:
-                self.sessions.append_text(live, prompt.text)
-            return live.state.id, self._start(live, request)
+            self.sessions.fill_request(live, prompt)
+            return live.state.id, self._start(live, request, prompt.opening)
         except BaseException:
             self.kv.drop(live)
             self.sessions.remove(live)

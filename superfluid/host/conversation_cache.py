@@ -8,16 +8,26 @@ with the square of the history. For the 80 messages of a 40-turn conversation th
 a busy 2-core CPU, against 0.28 ms for one rendering of the whole. Here each request's messages
 are kept with their tokens for a while, and the next request renders only the messages after the
 longest history it shares with a recent one: the reply and the new question.
+
+A rendering costs the length of the conversation, so messages are rendered one by one only up to
+SEPARATE_RENDERS new ones: past that (a long history no recent request shared) the new messages
+are rendered once, together, and tokenized as one piece, so a request's cost stays linear in its
+length (20,000 messages rendered one by one took minutes). Each of those messages then ends
+where the piece ends, as after a template that rewrites earlier turns.
+
+Safe from any thread: the server builds prompts on worker threads beside the event loop.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
 
 Message = tuple[str, str]  # (role, content)
+SEPARATE_RENDERS = 8  # new messages rendered one by one; more are rendered once, together
 
 
 class ConversationCache:
@@ -30,19 +40,29 @@ class ConversationCache:
         # lists are shared between a history and those that continue it, never changed.
         self._recent: OrderedDict[tuple[Message, ...], tuple[str, tuple[list[int], ...]]] = OrderedDict()
         self.rendered = 0  # messages rendered (the others came from here)
+        self._lock = threading.Lock()
 
     def tokens(self, messages: Sequence[Message]) -> tuple[list[int], ...]:
         """Each message's tokens, as appending them one at a time to an empty session gives them.
         TemplateRewrites when the template renders an earlier message differently once a later
         one is added (nothing is kept then)."""
-        history = tuple(messages)
-        shared = next((n for n in range(len(history), 0, -1) if history[:n] in self._recent), 0)
+        with self._lock:
+            return self._tokens(tuple(messages))
+
+    def _tokens(self, history: tuple[Message, ...]) -> tuple[list[int], ...]:
+        # the longest kept history this one continues (comparing with each kept one: trying every
+        # prefix of a long history would hash it again and again)
+        shared = max((len(kept) for kept in self._recent if len(kept) <= len(history) and history[:len(kept)] == kept),
+                     default=0)
         text, pieces = self._recent[history[:shared]] if shared else ("", ())
         if shared:
             self._recent.move_to_end(history[:shared])
         as_dicts = [{"role": role, "content": content} for role, content in history]
         added = []
-        for n in range(shared + 1, len(history) + 1):
+        # one by one where few are new; else all of them at once (their ends become the piece's)
+        ends = (range(shared + 1, len(history) + 1) if len(history) - shared <= SEPARATE_RENDERS
+                else [len(history)])
+        for n in ends:
             try:
                 addition, text = self.template.extend(text, as_dicts[:n])
             except TemplateRewrites:
@@ -50,6 +70,7 @@ class ConversationCache:
                 # writes today's date): it goes, or every later request would fail on it again
                 self._recent.pop(history[:shared], None)
                 raise
+            added += [[]] * (n - shared - len(added) - 1)  # messages rendered with the next one: no tokens of their own
             added.append(self.tokenize(addition))
         self.rendered += len(added)
         pieces = (*pieces, *added)

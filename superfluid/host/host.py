@@ -30,7 +30,8 @@ from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.log import SessionLog
 from superfluid.host.scheduler import Policy, Scheduler
-from superfluid.host.request import Priority
+from superfluid.host.prompts import PreparedPrompt, PromptBuilder
+from superfluid.host.request import Priority, Prompt
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 
@@ -96,6 +97,11 @@ class Host:
         self.descriptor = self._scheduler.descriptor
         self.pool = self._scheduler.pool
         self.commands = Commands(self._scheduler)
+        # Prompts are built on the caller's thread where the engine has a tokenizer for any
+        # thread (both runtimes do); an adapter without one tokenizes on the scheduler thread.
+        engine = self._scheduler.engine
+        self._tokenizes_anywhere = callable(getattr(engine, "tokenizer", None))
+        self.prompts = PromptBuilder(self.descriptor, engine.tokenizer() if self._tokenizes_anywhere else engine)
         try:
             self.call(self.commands.recover)
         except BaseException:
@@ -119,6 +125,14 @@ class Host:
     def alive(self) -> bool:
         """True while the scheduler thread runs (False once closed or failed)."""
         return self._scheduler.alive()
+
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """`prompt` (chat messages or a text) rendered and tokenized for a one-shot request
+        (`commands.start_request`), on the calling thread: a long conversation costs its caller,
+        never the scheduler thread everyone waits on. ChatError for messages the template refuses."""
+        if self._tokenizes_anywhere:
+            return self.prompts.build(prompt)
+        return self.call(self.prompts.build, prompt)
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
                 **sampling: Any) -> Session:

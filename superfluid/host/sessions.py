@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log as session_log
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.conversation_cache import ConversationCache
 from superfluid.host.errors import SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
+from superfluid.host.prompts import PreparedPrompt, chat_template
 from superfluid.host.sampling import Sampling
 from superfluid.host.session import SessionInfo
 
@@ -52,7 +52,6 @@ class Sessions:
         self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
         self._request_ids = itertools.count(1)
         self._chat: ChatTemplate | None = None
-        self._conversations: ConversationCache | None = None
 
     # ----------------------------------------------------------------------------- finding
 
@@ -176,17 +175,8 @@ class Sessions:
     def template(self) -> ChatTemplate:
         """The model's chat template, with the text of its special tokens (made on first use)."""
         if self._chat is None:
-            info = self.descriptor
-            special = lambda token: self.engine.detokenize([token]).decode(errors="replace") if token is not None else ""  # noqa: E731
-            self._chat = ChatTemplate(info.chat_template, special(info.bos_token),
-                                      special(info.eos_tokens[0] if info.eos_tokens else None))
+            self._chat = chat_template(self.descriptor, self.engine)
         return self._chat
-
-    def conversations(self) -> ConversationCache:
-        """Recent requests' histories as tokens (made on first use)."""
-        if self._conversations is None:
-            self._conversations = ConversationCache(self.template(), lambda text: self.engine.tokenize(text, special=True))
-        return self._conversations
 
     def append_message(self, live: Live, role: str, content: str) -> None:
         """A chat message, rendered by the model's template."""
@@ -237,20 +227,16 @@ class Sessions:
             tokens = [bos, *tokens]
         self.append_tokens(live, tokens)
 
-    def open_conversation(self, live: Live, messages: tuple[tuple[str, str], ...]) -> None:
-        """A new session's whole history, as `append_message` one at a time would add it, in one
-        record, rendering only what recent requests did not (see ConversationCache)."""
-        try:
-            pieces = self.conversations().tokens(messages)
-        except TemplateRewrites:  # each message in turn, the history rendered again where it must be
-            for role, content in messages:
-                self.append_message(live, role, content)
-            return
-        tokens, turns, start = [], [], len(live.state.tokens)
-        for (role, content), piece in zip(messages, pieces):
-            tokens += piece
-            turns.append(Turn(live.state.id, role, content, start + len(tokens)))
-        self.commit(live, tokens, *turns)
+    def fill_request(self, live: Live, prompt: PreparedPrompt) -> None:
+        """Give a new request lane its prompt, built on the caller's side: in memory, in one go
+        (a request lane writes no records, so a long conversation costs a list extension here)."""
+        assert not live.durable and not live.state.tokens, "only a new request lane is filled this way"
+        state = live.state
+        state.tokens.extend(prompt.tokens)
+        state.messages.extend(prompt.messages)
+        state.message_ends.extend(prompt.message_ends)
+        live.since_park += len(prompt.tokens)
+        live.last_used = self.order()
 
     def opening(self, live: Live) -> list[int]:
         """The tokens that open the assistant's turn in a chat session (none outside a chat)."""
@@ -259,8 +245,10 @@ class Sessions:
         return self.engine.tokenize(self.template().opening(live.state.messages), special=True)
 
     def close_turn(self, live: Live, job: Job) -> None:
-        """After a chat generation: the assistant's message, and the template's end-of-turn text."""
-        if not live.state.messages:
+        """After a chat generation: the assistant's message, and the template's end-of-turn text.
+        Not for a request lane: its conversation goes on, if at all, in the client's next request,
+        which brings the reply with it (and its KV is parked without the closing, never fed)."""
+        if not live.state.messages or not live.durable:
             return
         produced = live.state.tokens[job.first:]
         eos = self.descriptor.eos_tokens

@@ -32,6 +32,7 @@ from superfluid.http import worker
 from superfluid.host import sampling as sampler
 from superfluid.http.connections import OVER_CAPACITY
 from superfluid.host.errors import HostClosed, SessionNotFound
+from superfluid.host.request import Prompt
 from superfluid.http.metrics import CONTENT_TYPE, Metrics
 from superfluid.host.session import LIVENESS_SECONDS
 
@@ -282,17 +283,30 @@ class App:
                                code="model_not_found")
 
     async def _chat(self, exchange: Exchange, _: None) -> None:
-        request = await self._decoded(exchange, api.ChatRequest)
+        body = await exchange.body(MAX_BODY, self.body_timeout)
+        # decoding, checking, rendering and tokenizing cost as much as the request is long: on a
+        # worker thread, so neither the event loop nor the scheduler thread waits for them
+        await completions.one_shot(self, exchange, *await asyncio.to_thread(self._chat_request, body), chat=True)
+
+    def _chat_request(self, body: bytes) -> tuple:
+        """On a worker thread: the chat request, its prompt built, and what it asks of the host."""
+        request = api.decode(body, api.ChatRequest)
         self._check_model(request.model)
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
+        wanted = api.generate_request(request, chat=True, max_tokens=request.max_completion_tokens or request.max_tokens)
         messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
-        await completions.one_shot(self, exchange, request, request.max_completion_tokens or request.max_tokens,
-                                   chat=True, messages=messages)
+        return request, self.host.prepare(Prompt(messages)), wanted
 
     async def _completions(self, exchange: Exchange, _: None) -> None:
-        request = await self._decoded(exchange, api.CompletionRequest)
+        body = await exchange.body(MAX_BODY, self.body_timeout)
+        await completions.one_shot(self, exchange, *await asyncio.to_thread(self._completion_request, body),
+                                   chat=False)
+
+    def _completion_request(self, body: bytes) -> tuple:
+        """On a worker thread: the completion request, its prompt built, and what it asks of the host."""
+        request = api.decode(body, api.CompletionRequest)
         self._check_model(request.model)
         api.refuse_unsupported(request)
         if not isinstance(request.prompt, str):
@@ -300,7 +314,8 @@ class App:
                 raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
                                    param="prompt")
             request.prompt = request.prompt[0]
-        await completions.one_shot(self, exchange, request, request.max_tokens, chat=False, text=request.prompt)
+        wanted = api.generate_request(request, chat=False, max_tokens=request.max_tokens)
+        return request, self.host.prepare(Prompt(text=request.prompt)), wanted
 
     # ----------------------------------------------------------------------------- session routes
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from superfluid.http import api
 from superfluid.http import logprobs
 from superfluid.http import responses
-from superfluid.host.request import Prompt
+from superfluid.host.prompts import PreparedPrompt
+from superfluid.host.request import GenerateRequest
 from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
 
 if TYPE_CHECKING:
@@ -28,14 +29,13 @@ if TYPE_CHECKING:
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
 
 
-async def one_shot(app: App, exchange: Exchange, request, max_tokens: int | None, *, chat: bool,
-                   messages: tuple = (), text: str | None = None) -> None:
-    """A request on a lane of its own (never logged, never listed): opened, filled and started in
-    one scheduler command (a busy engine answers commands between steps, so one wait instead of
-    one per message), answered, then ended: its KV parked in the pool for later requests with the
-    same prefix."""
-    wanted = api.generate_request(request, chat=chat, max_tokens=max_tokens)
-    request_id, generation = await app.call(app.host.commands.start_request, Prompt(messages, text), wanted)
+async def one_shot(app: App, exchange: Exchange, request, prompt: PreparedPrompt, wanted: GenerateRequest, *,
+                   chat: bool) -> None:
+    """A request on a lane of its own (never logged, never listed), its prompt built already:
+    opened, filled and started in one scheduler command (a busy engine answers commands between
+    steps, so one wait), answered, then ended: its KV parked in the pool for later requests with
+    the same prefix."""
+    request_id, generation = await app.call(app.host.commands.start_request, prompt, wanted)
     try:
         await answer(app, exchange, generation, request, chat)
     finally:

@@ -1,12 +1,12 @@
-"""A request carrying a conversation's whole history is rendered a new message at a time: the
-tokens are those appending each message in turn gives, and the history a recent request sent is
-not rendered again."""
+"""A request carrying a conversation's whole history is rendered a new message at a time (a long
+new history once, whole): the tokens are those appending each message in turn gives, the history
+a recent request sent is not rendered again, and what the template is handed grows linearly."""
 
 import pytest
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
 from superfluid.host.request import GenerateRequest, Prompt
-from superfluid.host.conversation_cache import ConversationCache
+from superfluid.host.conversation_cache import SEPARATE_RENDERS, ConversationCache
 from tests import realtemplates
 from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING, REAL_CONVERSATIONS, TOKENS
 
@@ -46,12 +46,31 @@ def test_each_request_renders_only_what_follows_the_history_a_recent_one_sent():
     assert list(cache.tokens(again)) == one_at_a_time(template, again) and cache.rendered == before
 
 
-def test_a_new_conversation_renders_each_message_once():
+def test_a_short_new_conversation_is_rendered_a_message_at_a_time():
     template = ChatTemplate(None)
     cache = ConversationCache(template, characters)
-    history = conversation(40)
+    history = conversation(3)  # 7 messages: each gets its own tokens, as appending them in turn gives
+    assert len(history) <= SEPARATE_RENDERS
     assert list(cache.tokens(history)) == one_at_a_time(template, history)
     assert cache.rendered == len(history)
+
+
+@pytest.mark.parametrize("turns", [40, 400, 4000])
+def test_the_messages_handed_to_the_template_grow_linearly_with_the_conversation(turns):
+    template = ChatTemplate(None)
+    cache = ConversationCache(template, characters)
+    history = conversation(turns) + [("user", "And now?")]
+    pieces = cache.tokens(history)
+    # a long new history is rendered once, whole: its messages end where the one piece ends
+    assert template.messages_rendered == len(history)
+    assert [token for piece in pieces for token in piece] == characters(template.render(
+        [{"role": role, "content": content} for role, content in history]))
+    assert all(piece == [] for piece in pieces[:-1])
+    # the next request (the reply and a question) renders the history twice more, never per message
+    template.messages_rendered = 0
+    following = history + [("assistant", "Fine."), ("user", "Why?")]
+    assert list(cache.tokens(following))[:len(history)] == list(pieces)
+    assert template.messages_rendered == 2 * len(history) + 3
 
 
 def test_it_keeps_the_most_recently_used_conversations_only():
@@ -88,7 +107,7 @@ def test_real_templates_give_the_tokens_of_one_message_at_a_time(model):
 def one_shot(host, messages) -> str:
     """Start a chat request on `messages` on a request lane of its own (1 token); the lane's id
     (the lane stays until the request is ended: here, never)."""
-    session_id, generation = host.call(host.commands.start_request, Prompt(tuple(messages)),
+    session_id, generation = host.call(host.commands.start_request, host.prepare(Prompt(tuple(messages))),
                                        GenerateRequest(max_tokens=1, sampling={"temperature": 0.0}))
     generation.collect()
     return session_id
@@ -102,10 +121,10 @@ def lane(host, lane_id):
 
 def test_a_request_holds_what_appending_its_messages_in_turn_holds(open_host):
     host = open_host()
-    history = conversation(6) + [("user", "And now?")]
-    one_shot(host, history[:5])  # an earlier request of the same conversation
+    history = conversation(5) + [("user", "And now?")]
+    one_shot(host, history[:5])  # an earlier request of the same conversation (what follows it: one by one)
     request = one_shot(host, history)
-    assert host.call(lambda: host.commands.conversations().rendered) == len(history)  # each message once
+    assert host.prompts.conversations.rendered == len(history)  # each message once
     session = host.session()
     for role, content in history:
         session.append_message(role, content)

@@ -11,6 +11,7 @@ from superfluid import ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.request import GenerateRequest, Prompt
 from superfluid.host.sampling import Sampling
 from tests import tinymodels
+from tests.gate import Gate
 from tests.conftest import remove_segment, unique_pool_name
 from tests.superfluid.served import Served
 
@@ -22,7 +23,7 @@ def test_a_one_shot_request_is_no_session_and_writes_nothing_to_the_log(open_hos
     kept = host.session()
     kept.append_text(PROMPT)
     written = host._log.path.stat().st_size
-    lane, generation = host.call(host.commands.start_request, Prompt(text=PROMPT),
+    lane, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=PROMPT)),
                                  GenerateRequest(max_tokens=12, ignore_eos=True))
     # until the request ends, its lane exists, and still nobody else can see or touch it
     assert [info.id for info in host.sessions()] == [kept.id]
@@ -44,10 +45,10 @@ def test_a_one_shot_request_is_no_session_and_writes_nothing_to_the_log(open_hos
 def test_the_next_request_starting_the_same_way_resumes_from_the_parked_prefix(open_host):
     host = open_host()
     prompt = PROMPT * 8
-    first, generation = host.call(host.commands.start_request, Prompt(text=prompt), GenerateRequest(max_tokens=2))
+    first, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)), GenerateRequest(max_tokens=2))
     generation.collect()
     host.call(host.commands.end_request, first)  # its KV parked in the pool, its lane gone
-    again, generation = host.call(host.commands.start_request, Prompt(text=prompt + " jumps"),
+    again, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt + " jumps")),
                                   GenerateRequest(max_tokens=2))
     generation.collect()
     host.call(host.commands.end_request, again)
@@ -58,7 +59,7 @@ def test_the_next_request_starting_the_same_way_resumes_from_the_parked_prefix(o
 def test_a_request_refused_at_the_start_leaves_no_lane(open_host):
     host = open_host()
     with pytest.raises(ContextFull):
-        host.call(host.commands.start_request, Prompt(text="word " * 5000), GenerateRequest(max_tokens=2))
+        host.call(host.commands.start_request, host.prepare(Prompt(text="word " * 5000)), GenerateRequest(max_tokens=2))
     assert host.call(lambda: len(host.commands.sessions.requests)) == 0 and host.stats().lanes == 0
 
 
@@ -120,3 +121,31 @@ def test_over_http_a_request_is_invisible_and_after_sigkill_only_its_cached_pref
     finally:
         server.stop()
         remove_segment(pool)
+
+
+def test_a_long_conversation_is_built_on_the_callers_thread_while_the_scheduler_is_busy(open_host):
+    # The engine is held in the middle of another generation's step: building the prompt of a
+    # 20,000-message conversation needs nothing of the scheduler thread, and renders it once.
+    gate = Gate(lambda requests: True)
+    host = open_host(gate=gate)
+    busy = host.session()
+    busy.append_text(PROMPT)
+    running = host.submit(host.commands.generate, busy.id, GenerateRequest(max_tokens=4))
+    gate.wait_reached()
+    try:
+        messages = tuple(("user" if i % 2 == 0 else "assistant", "") for i in range(19_999)) + (("user", "Hi"),)
+        before = host.prompts.template.messages_rendered
+        prompt = host.prepare(Prompt(messages))
+        # rendered three times, whatever its length: whole, then without and with the assistant's opening
+        assert host.prompts.template.messages_rendered - before == 3 * len(messages)
+        assert len(prompt.message_ends) == len(messages) and prompt.tokens and prompt.opening
+    finally:
+        gate.open()
+    running.result().collect()
+    with pytest.raises(ContextFull):  # longer than the tiny model's context: refused, before any step
+        host.call(host.commands.start_request, prompt, GenerateRequest(max_tokens=2))
+    short = host.prepare(Prompt(messages[-3:]))
+    lane, generation = host.call(host.commands.start_request, short, GenerateRequest(max_tokens=2))
+    generation.collect()
+    host.call(host.commands.end_request, lane)
+    assert generation.prompt_tokens == len(short.tokens) + len(short.opening)

@@ -1,0 +1,77 @@
+"""A one-shot request's prompt, built on the caller's thread: the chat template rendered and the
+text tokenized there, so the scheduler thread only commits the tokens and steps.
+
+The scheduler thread is what every decoding lane and every arrival waits for; rendering a long
+conversation (jinja, in Python) and tokenizing it are work in proportion to the request, so they
+happen beside it: on the thread that calls the Host, or on a worker thread beside the server's
+event loop. The tokenizer is the engine's thread-safe one (`Engine.tokenizer()`), which never
+touches the engine's context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.conversation_cache import ConversationCache
+from superfluid.host.request import Prompt
+
+
+class PreparedPrompt(msgspec.Struct, frozen=True):
+    """A prompt as the request lane will hold it: its tokens, its chat messages with the position
+    where each ends, and the tokens that open the assistant's turn (empty for a text prompt)."""
+
+    tokens: list[int]
+    messages: list[dict]
+    message_ends: list[int]
+    opening: list[int]
+
+
+class PromptBuilder:
+    """Prompts of one model: its chat template, its tokenizer and the recent conversations'
+    tokens (safe from any thread)."""
+
+    def __init__(self, descriptor: Any, tokenizer: Any) -> None:
+        """`descriptor`: the engine's (chat template, BOS); `tokenizer`: `Engine.tokenizer()`."""
+        self.descriptor, self.tokenizer = descriptor, tokenizer
+        self.template = chat_template(descriptor, tokenizer)
+        self.conversations = ConversationCache(self.template, self._tokenize)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.tokenize(text, special=True)
+
+    def build(self, prompt: Prompt) -> PreparedPrompt:
+        """`prompt`'s tokens as an empty lane takes them: the chat messages rendered as appending
+        them in turn would (a long new history at once), or the text after a BOS where the model
+        asks for one. ChatError for messages the template refuses."""
+        if prompt.messages:
+            messages = [{"role": role, "content": content} for role, content in prompt.messages]
+            try:
+                pieces = self.conversations.tokens(prompt.messages)
+                tokens, ends = [], []
+                for piece in pieces:
+                    tokens += piece
+                    ends.append(len(tokens))
+            except TemplateRewrites:  # a template that rewrites earlier turns: the whole, rendered once
+                tokens = self._tokenize(self.template.render(messages))
+                ends = [len(tokens)] * len(messages)
+            opening = self._tokenize(self.template.opening(messages))
+        else:
+            messages, ends, opening = [], [], []
+            tokens = []
+        if prompt.text is not None:
+            text = self._tokenize(prompt.text)
+            bos = self.descriptor.bos_token
+            if bos is not None and not tokens and text[:1] != [bos]:
+                text = [bos, *text]
+            tokens += text
+        return PreparedPrompt(tokens, messages, ends, opening)
+
+
+def chat_template(descriptor: Any, tokenizer: Any) -> ChatTemplate:
+    """The model's chat template, with the text of its special tokens."""
+    special = lambda token: tokenizer.detokenize([token]).decode(errors="replace") if token is not None else ""  # noqa: E731
+    return ChatTemplate(descriptor.chat_template, special(descriptor.bos_token),
+                        special(descriptor.eos_tokens[0] if descriptor.eos_tokens else None))
