@@ -10,9 +10,10 @@ pause does cost is the CPU it takes (0.27 of the speed on 2 cores), as any other
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engines.errors import EngineError
@@ -25,18 +26,20 @@ class LlamaTokenizer:
         """`vocab`: llama_model_get_vocab of a model that stays loaded until `close`."""
         self._api, self._vocab, self._n_vocab = api, vocab, n_vocab
         self._pieces: dict[int, bytes] = {}  # token -> its bytes (a dict read and set is atomic)
-        # Held while calling into the vocabulary, and by close(): the model is never freed under a call.
-        self._lock = threading.Lock()
+        # Calls run side by side (llama.cpp's tokenizer only reads the vocabulary, as llama-server's
+        # HTTP threads use it): one thread's 700 KB prompt must not hold up the scheduler thread's
+        # next piece. They are counted, so close() frees the model only once none is running.
+        self._calls = threading.Condition()
+        self._running = 0
 
     def tokenize(self, text: str, *, special: bool = True, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it are parsed when `special`."""
         data = text.encode()
         capacity = len(data) + 8
-        with self._lock:
-            self._check_open()
+        with self._call() as vocab:
             while True:
                 buffer = (self._api.llama_token * capacity)()
-                n = self._api.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_bos, special)
+                n = self._api.llama_tokenize(vocab, data, len(data), buffer, capacity, add_bos, special)
                 if n >= 0:
                     return list(buffer[:n])
                 capacity = -n
@@ -51,22 +54,33 @@ class LlamaTokenizer:
         if piece is None:
             if not 0 <= token < self._n_vocab:
                 raise EngineError(f"token {token} is outside the vocabulary of {self._n_vocab}")
-            with self._lock:
-                self._check_open()
+            with self._call() as vocab:
                 buffer = ctypes.create_string_buffer(64)
-                n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+                n = self._api.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
                 if n < 0:
                     buffer = ctypes.create_string_buffer(-n)
-                    n = self._api.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+                    n = self._api.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
             piece = self._pieces[token] = buffer.raw[:n]
         return piece
 
     def close(self, free_model) -> None:
         """Call `free_model` once no tokenization is running; any later one raises EngineError."""
-        with self._lock:
-            self._vocab = None
+        with self._calls:
+            self._vocab = None  # no call starts after this
+            self._calls.wait_for(lambda: self._running == 0)
             free_model()
 
-    def _check_open(self) -> None:
-        if self._vocab is None:
-            raise EngineError("the model was closed: its tokenizer is gone with it")
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[Any]:
+        """The vocabulary, for one call; EngineError once the model is closed."""
+        with self._calls:
+            vocab = self._vocab
+            if vocab is None:
+                raise EngineError("the model was closed: its tokenizer is gone with it")
+            self._running += 1
+        try:
+            yield vocab
+        finally:
+            with self._calls:
+                self._running -= 1
+                self._calls.notify_all()
