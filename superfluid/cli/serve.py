@@ -112,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--timeout-keep-alive", type=float, default=KEEP_ALIVE_TIMEOUT, help="seconds an idle kept-alive "
          f"connection stays open (default: {KEEP_ALIVE_TIMEOUT:g})")
     flag("--header-timeout", type=float, default=HEADER_TIMEOUT, help="seconds a connection has to send a whole "
-         f"request head, its body has {BODY_TIMEOUT:g} more (default: {HEADER_TIMEOUT:g})")
+         f"request head (default: {HEADER_TIMEOUT:g})")
+    flag("--body-timeout", type=float, default=BODY_TIMEOUT, help="seconds a request body has to arrive once its "
+         f"head did; a 408 after that (default: {BODY_TIMEOUT:g})")
     flag("--max-waiting", type=int, default=64, help="generations that may wait for the engine at once; beyond them "
          "a request is answered 503 with Retry-After (default: 64)")
     flag("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long without starting is "
@@ -227,7 +229,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
         except ValueError as exc:
             raise UsageError(f"--worker-name: {exc}") from None
     for name, value in (("--max-connections", args.max_connections), ("--timeout-keep-alive", args.timeout_keep_alive),
-                        ("--header-timeout", args.header_timeout)):
+                        ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0:
             raise UsageError(f"{name} {value}: it must be above 0")
     allowed = open_file_limit(args.max_connections)
@@ -239,7 +241,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
         return Server(None, (args.host, args.port), api_key=args.api_key,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
                       header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
-                      worker_name=args.worker_name)
+                      body_timeout=args.body_timeout, worker_name=args.worker_name)
     except socket.gaierror as exc:
         raise UsageError(f"--host {args.host}: not an address this machine can listen on ({exc.strerror})") from None
     except OSError as exc:

@@ -16,12 +16,14 @@ from tests.superfluid.served import Served
 HALF_OPEN = 1000
 HEADER_TIMEOUT = 3  # seconds; long enough to open 1,000 connections and ask /health meanwhile
 KEEP_ALIVE = 1
+BODY_TIMEOUT = 3  # seconds; a body that never arrives is answered 408 after this (serve's default: 30)
 
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     server = Served(tiny_models["f32"].gguf, tmp_path_factory.mktemp("connections"),
-                    "--header-timeout", str(HEADER_TIMEOUT), "--timeout-keep-alive", str(KEEP_ALIVE))
+                    "--header-timeout", str(HEADER_TIMEOUT), "--timeout-keep-alive", str(KEEP_ALIVE),
+                    "--body-timeout", str(BODY_TIMEOUT))
     yield server
     assert server.stop() == 0
 

@@ -187,7 +187,7 @@ def test_exit_codes(tiny_models, tmp_path):
     assert done.returncode == 2 and "is an option of the mlx runtime" in done.stderr
     done = serve_exit(model, "--llamacpp-n-ctx", "many")
     assert done.returncode == 2 and "n_ctx" in done.stderr
-    for flag in ("--max-connections", "--timeout-keep-alive", "--header-timeout"):
+    for flag in ("--max-connections", "--timeout-keep-alive", "--header-timeout", "--body-timeout"):
         done = serve_exit(model, flag, "0")
         assert done.returncode == 2 and f"{flag} 0" in done.stderr and "above 0" in done.stderr
     done = serve_exit(str(tmp_path / "missing.gguf"))
