@@ -9,8 +9,8 @@ from superfluid import parts
 
 parts.check()  # before anything imports `engines` or `kvpool` for real use
 
-from superfluid.host.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded, PinLimit,
-                               SessionBusy, SessionNotFound, SuperfluidError)
+from superfluid.host.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded,
+                                    PinLimit, SessionBusy, SessionNotFound, SuperfluidError)
 from superfluid.host.host import Host
 from superfluid.host.sampling import Sampling
 from superfluid.host.session import Generation, Piece, Session, SessionInfo

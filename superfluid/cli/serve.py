@@ -21,13 +21,13 @@ from engines.llamacpp.log import LOGGER as LLAMA_LOG
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
-from superfluid.http import worker
 from superfluid.host.errors import LogBusy
 from superfluid.host.host import DEFAULT_POOL_BYTES, Host
-from superfluid.http.responses import kv_summary
+from superfluid.http import worker
 from superfluid.http.connections import REFUSING_ROOM
-from superfluid.http.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, Server,
-                               model_name_of)
+from superfluid.http.responses import kv_summary
+from superfluid.http.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS,
+                                    Server, model_name_of)
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # Ctrl-C before serving began, as shells report SIGINT

@@ -29,9 +29,9 @@ from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.log import SessionLog
-from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.prompts import PreparedPrompt, PromptBuilder
 from superfluid.host.request import Priority, Prompt
+from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 

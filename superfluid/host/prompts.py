@@ -72,6 +72,8 @@ class PromptBuilder:
 
 def chat_template(descriptor: Any, tokenizer: Any) -> ChatTemplate:
     """The model's chat template, with the text of its special tokens."""
-    special = lambda token: tokenizer.detokenize([token]).decode(errors="replace") if token is not None else ""  # noqa: E731
+    def special(token: int | None) -> str:
+        return tokenizer.detokenize([token]).decode(errors="replace") if token is not None else ""
+
     return ChatTemplate(descriptor.chat_template, special(descriptor.bos_token),
                         special(descriptor.eos_tokens[0] if descriptor.eos_tokens else None))

@@ -25,16 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from superfluid import __version__
-from superfluid.http import api
-from superfluid.http import completions
-from superfluid.http import responses
-from superfluid.http import worker
 from superfluid.host import sampling as sampler
-from superfluid.http.connections import OVER_CAPACITY
 from superfluid.host.errors import HostClosed, SessionNotFound
 from superfluid.host.request import Prompt
-from superfluid.http.metrics import CONTENT_TYPE, Metrics
 from superfluid.host.session import LIVENESS_SECONDS
+from superfluid.http import api, completions, responses, worker
+from superfluid.http.connections import OVER_CAPACITY
+from superfluid.http.metrics import CONTENT_TYPE, Metrics
 
 MAX_BODY = 1 << 20  # bytes of request body
 DRAIN_LIMIT = 16 << 20  # an unread body up to this is read away before the answer; a larger one is cut off
@@ -295,7 +292,8 @@ class App:
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
-        wanted = api.generate_request(request, chat=True, max_tokens=request.max_completion_tokens or request.max_tokens)
+        wanted = api.generate_request(request, chat=True,
+                                      max_tokens=request.max_completion_tokens or request.max_tokens)
         messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
         return request, self.host.prepare(Prompt(messages)), wanted
 

@@ -15,12 +15,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from superfluid.http import api
-from superfluid.http import logprobs
-from superfluid.http import responses
+from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
 from superfluid.host.prompts import PreparedPrompt
 from superfluid.host.request import GenerateRequest
-from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
+from superfluid.http import api, logprobs, responses
 
 if TYPE_CHECKING:
     from superfluid.http.app import App, Exchange

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from superfluid.http import api
 from superfluid.host.errors import (ChatError, ContextFull, HostClosed, Overloaded, PinLimit, SessionBusy,
-                               SessionNotFound)
+                                    SessionNotFound)
 
 
 class HttpError(NamedTuple):

@@ -5,8 +5,8 @@ a recent request sent is not rendered again, and what the template is handed gro
 import pytest
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.request import GenerateRequest, Prompt
 from superfluid.host.conversation_cache import SEPARATE_RENDERS, ConversationCache
+from superfluid.host.request import GenerateRequest, Prompt
 from tests import realtemplates
 from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING, REAL_CONVERSATIONS, TOKENS
 

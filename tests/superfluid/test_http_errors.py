@@ -3,11 +3,10 @@ began and an error event inside one say the same status, type and code."""
 
 import pytest
 
-from superfluid.http import api
-from superfluid.http import responses
 from superfluid.host.chat import TemplateRewrites
-from superfluid.host.errors import (ChatError, ContextFull, HostClosed, LogCorrupt, Overloaded, PinLimit, SessionBusy,
-                               SessionNotFound)
+from superfluid.http import api, responses
+from superfluid.host.errors import (ChatError, ContextFull, HostClosed, LogCorrupt, Overloaded, PinLimit,
+                                    SessionBusy, SessionNotFound)
 
 
 @pytest.mark.parametrize("error, status, kind, code", [

@@ -6,8 +6,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from superfluid.http.metrics import Metrics
 from superfluid.http.app import ROUTES
+from superfluid.http.metrics import Metrics
 from tests.superfluid.served import Served
 
 ROUTE_LABELS = {route for table in ROUTES.values() for route in table} | {"other"}

@@ -45,7 +45,8 @@ def test_a_one_shot_request_is_no_session_and_writes_nothing_to_the_log(open_hos
 def test_the_next_request_starting_the_same_way_resumes_from_the_parked_prefix(open_host):
     host = open_host()
     prompt = PROMPT * 8
-    first, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)), GenerateRequest(max_tokens=2))
+    first, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)),
+                                  GenerateRequest(max_tokens=2))
     generation.collect()
     host.call(host.commands.end_request, first)  # its KV parked in the pool, its lane gone
     again, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt + " jumps")),
@@ -59,7 +60,8 @@ def test_the_next_request_starting_the_same_way_resumes_from_the_parked_prefix(o
 def test_a_request_refused_at_the_start_leaves_no_lane(open_host):
     host = open_host()
     with pytest.raises(ContextFull):
-        host.call(host.commands.start_request, host.prepare(Prompt(text="word " * 5000)), GenerateRequest(max_tokens=2))
+        host.call(host.commands.start_request, host.prepare(Prompt(text="word " * 5000)),
+                  GenerateRequest(max_tokens=2))
     assert host.call(lambda: len(host.commands.sessions.requests)) == 0 and host.stats().lanes == 0
 
 

@@ -3,8 +3,8 @@
 import msgspec
 import pytest
 
-from superfluid.http import worker
 from superfluid.host.stats import HostStats
+from superfluid.http import worker
 
 
 def stats(**fields) -> HostStats:
