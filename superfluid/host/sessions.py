@@ -104,11 +104,7 @@ class Sessions:
 
     def open(self, session_id: str | None, settings: Sampling, priority: str) -> Live:
         """A new session (`session_id`, or a fresh id)."""
-        session_id = session_id or uuid.uuid4().hex
-        if session_id in self.durable or session_id.startswith(REQUEST_PREFIX):
-            raise SuperfluidError(f"a session {session_id!r} exists already; resume it with Host.session(id=...)"
-                                  if session_id in self.durable else
-                                  f"session ids starting {REQUEST_PREFIX!r} are the host's own; choose another")
+        session_id = self._new_id(session_id, "resume it with Host.session(id=...)")
         self.log.append(Opened(session_id, time.time(), settings, priority))
         live = self.durable[session_id] = Live(self.log.states[session_id])
         live.last_used, live.idle_since = self.order(), self.clock()
@@ -124,9 +120,7 @@ class Sessions:
 
     def fork(self, parent: Live, child_id: str | None) -> Live:
         """A child session with `parent`'s tokens and messages (its KV is the KV manager's to share)."""
-        child_id = child_id or uuid.uuid4().hex
-        if child_id in self.durable:
-            raise SuperfluidError(f"a session {child_id!r} exists already; fork into a new id")
+        child_id = self._new_id(child_id, "fork into a new id")
         state = parent.state
         records = [Opened(child_id, time.time(), state.sampling, state.priority, state.id)]
         records += [Turn(child_id, m["role"], m["content"], end) for m, end in zip(state.messages, state.message_ends)]
@@ -135,6 +129,16 @@ class Sessions:
         child = self.durable[child_id] = Live(self.log.states[child_id])
         child.last_used, child.idle_since = self.order(), self.clock()
         return child
+
+    def _new_id(self, session_id: str | None, otherwise: str) -> str:
+        """`session_id` (or a fresh one) for a new session; SuperfluidError when it is taken or
+        has the form of a request lane's."""
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.durable:
+            raise SuperfluidError(f"a session {session_id!r} exists already; {otherwise}")
+        if session_id.startswith(REQUEST_PREFIX):
+            raise SuperfluidError(f"session ids starting {REQUEST_PREFIX!r} are the host's own; choose another")
+        return session_id
 
     def trim(self, live: Live, n_tokens: int) -> None:
         """Keep `live`'s first `n_tokens` tokens (and the messages that end within them)."""

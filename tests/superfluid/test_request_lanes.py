@@ -69,6 +69,10 @@ def test_session_ids_of_the_request_lanes_form_cannot_be_taken(open_host):
     host = open_host()
     with pytest.raises(SuperfluidError, match="the host's own"):
         host.call(host.commands.create, "request-1", None, Sampling(), "default")
+    parent = host.session()
+    with pytest.raises(SuperfluidError, match="the host's own"):
+        host.call(host.commands.fork, parent.id, "request-2")
+    assert [info.id for info in host.sessions()] == [parent.id]
 
 
 def _stream(server, body):
