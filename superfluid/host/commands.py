@@ -82,6 +82,10 @@ class Commands:
         """A chat message, rendered by the model's template."""
         self.sessions.append_message(self._live(session_id, idle=True), role, content)
 
+    def append_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
+        """Chat messages (role, content) in turn; a long list rendered once (Sessions.append_messages)."""
+        self.sessions.append_messages(self._live(session_id, idle=True), messages)
+
     def append_tokens(self, session_id: str, tokens: list[int]) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""
         self.sessions.append_tokens(self._live(session_id, idle=True), tokens)

@@ -22,12 +22,13 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log as session_log
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.conversation_cache import SEPARATE_RENDERS
 from superfluid.host.errors import SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
@@ -193,13 +194,35 @@ class Sessions:
         tokens = self.engine.tokenize(text, special=True)
         self.commit(live, tokens, Turn(live.state.id, role, content, len(live.state.tokens) + len(tokens)))
 
-    def _rerender(self, live: Live, message: dict) -> None:
-        """Add `message` under a template that rewrites earlier turns: the whole conversation is
-        rendered and tokenized, the session keeps its longest common token prefix with that (and
-        the KV of it), and the rest replaces what followed, as llama-server reuses a cached prompt.
-        Raw tokens appended between messages are not part of any rendering, so they go too."""
+    def append_messages(self, live: Live, messages: Sequence[tuple[str, str]]) -> None:
+        """Chat messages (role, content) in turn, as `append_message` adds them one at a time; past
+        SEPARATE_RENDERS of them the conversation is rendered once with them all, in one record,
+        and each ends where they all end (rendering one at a time costs the square of their
+        number: 20,000 took minutes)."""
+        if len(messages) <= SEPARATE_RENDERS:
+            for role, content in messages:
+                self.append_message(live, role, content)
+            return
+        state, added = live.state, [{"role": role, "content": content} for role, content in messages]
+        template = self.template()
+        try:
+            text, _ = template.extend(template.render(state.messages) if state.messages else "",
+                                      [*state.messages, *added])
+        except TemplateRewrites:
+            self._rerender(live, *added)
+            return
+        tokens = self.engine.tokenize(text, special=True)
+        end = len(state.tokens) + len(tokens)
+        self.commit(live, tokens, *(Turn(state.id, m["role"], m["content"], end) for m in added))
+
+    def _rerender(self, live: Live, *added: dict) -> None:
+        """Add the messages `added` under a template that rewrites earlier turns: the whole
+        conversation is rendered and tokenized, the session keeps its longest common token prefix
+        with that (and the KV of it), and the rest replaces what followed, as llama-server reuses
+        a cached prompt. Raw tokens appended between messages are not part of any rendering, so
+        they go too."""
         state = live.state
-        messages = [*state.messages, message]
+        messages = [*state.messages, *added]
         tokens = self.engine.tokenize(self.template().render(messages), special=True)
         keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
                                                                                              len(state.tokens)))

@@ -383,7 +383,6 @@ def _open_session(commands, session_id: str | None, system: str | None, settings
 
 def _append_messages(commands, session_id: str, messages: list[tuple[str, str]]):
     """On the scheduler thread: append `messages` to a session; its info after."""
-    for role, text in messages:
-        commands.append_message(session_id, role, text)
+    commands.append_messages(session_id, messages)
     return commands.info(session_id)
 

@@ -151,6 +151,22 @@ def test_a_template_that_rewrites_past_turns_keeps_the_common_prefix(template_ho
     assert cold.complete(max_tokens=4, ignore_eos=True) == generated.text  # as a cold session on those tokens
 
 
+def test_many_messages_at_once_on_a_template_that_rewrites_past_turns_hold_what_the_whole_renders(template_host):
+    host = template_host(DROPS_PAST_REASONING)
+    session = host.session()
+    session.append_user("Hello there")
+    session.append_assistant("<think>long reasoning here</think>Hi!")
+    more = [("user", "How are you?")] + [("assistant" if i % 2 == 0 else "user", f"<think>x</think>turn {i}")
+                                         for i in range(11)]
+    host.call(host.commands.append_messages, session.id, more)  # past 8: rendered once, with a rewrite
+    messages = [{"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "<think>long reasoning here</think>Hi!"}]
+    messages += [{"role": role, "content": content} for role, content in more]
+    assert session.messages == messages
+    assert session.tokens == host.call(lambda: host.commands.engine.tokenize(
+        ChatTemplate(DROPS_PAST_REASONING).render(messages), special=True))
+
+
 # Renders an assistant's reply otherwise than the model wrote it, as templates that strip
 # reasoning or trim replies do: the turn cannot be closed by appending.
 SHOUTS_REPLIES = ("{% for m in messages %}{% set content = m.content | upper if m.role == 'assistant' else m.content %}"

@@ -50,6 +50,25 @@ def test_chat_turns_are_rendered_by_the_models_template(open_host):
     assert rendered.startswith(template.render(messages, generation_prompt=True))
 
 
+def test_many_messages_appended_at_once_are_rendered_once_and_few_as_one_at_a_time(open_host):
+    host = open_host()
+    few = [("user", "Hi"), ("assistant", "Hello"), ("user", "How are you?")]
+    batched, one_by_one = host.session(system="Be brief."), host.session(system="Be brief.")
+    host.call(host.commands.append_messages, batched.id, few)
+    for role, content in few:
+        one_by_one.append_message(role, content)
+    assert batched.tokens == one_by_one.tokens and batched.messages == one_by_one.messages
+    template = host.call(host.commands.template)
+    many = [("user" if i % 2 == 0 else "assistant", f"message {i}") for i in range(200)]
+    before = template.messages_rendered
+    host.call(host.commands.append_messages, batched.id, many)
+    # the 4 messages it had, then all 204 once: never once per message (which would be ~20,000)
+    assert template.messages_rendered - before == 4 + 204
+    whole = [{"role": "system", "content": "Be brief."}] + [{"role": r, "content": c} for r, c in few + many]
+    assert batched.detokenize(batched.tokens) == template.render(whole) and batched.messages == whole
+    assert batched.info().messages == 204
+
+
 def test_a_fork_copies_no_kv_bytes_and_goes_its_own_way(open_host):
     host = open_host()
     s = host.session(temperature=0.9, seed=5)
