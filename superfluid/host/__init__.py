@@ -3,6 +3,7 @@
     host.py        Host, the application's handle: the scheduler thread, the pool, the log
     session.py     Session and Generation: what an application holds
     request.py     one generation's request, validated once where it enters
+    prompts.py     a one-shot request's prompt, rendered and tokenized on the caller's thread
     sessions.py    the owner of sessions: their state and the records of the session log
     scheduler.py   the thread that owns the engine: the queue, the plan and the step
     kv.py          the KV manager: where KV is, what moves it, and who gets room

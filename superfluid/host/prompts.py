@@ -59,8 +59,7 @@ class PromptBuilder:
                 ends = [len(tokens)] * len(messages)
             opening = self._tokenize(self.template.opening(messages))
         else:
-            messages, ends, opening = [], [], []
-            tokens = []
+            tokens, messages, ends, opening = [], [], [], []
         if prompt.text is not None:
             text = self._tokenize(prompt.text)
             bos = self.descriptor.bos_token

@@ -74,9 +74,6 @@ class Sessions:
         """Every session and request lane."""
         return itertools.chain(self.durable.values(), self.requests.values())
 
-    def __len__(self) -> int:
-        return len(self.durable) + len(self.requests)
-
     # ----------------------------------------------------------------------------- writing
 
     def record(self, live: Live, *records: Record) -> None:
