@@ -142,10 +142,12 @@ class Commands:
             raise
 
     def end_request(self, request_id: str) -> None:
-        """After a one-shot request: its generation ended (cancelled if it still runs), its KV
-        parked in the pool under its prefix for later requests, its lane gone."""
-        live = self.sessions.request(request_id)
-        self._retire(live)
+        """End a one-shot request now (cancelled if it still runs). A request lane ends with its
+        generation: its KV parked in the pool under its prefix for later requests, its lane gone
+        (so after the generation's end this does nothing)."""
+        live = self.sessions.requests.get(request_id)
+        if live is not None:
+            self.scheduler.finish(live, "cancelled")
 
     def _retire(self, live: Live) -> None:
         if live.job is not None:
@@ -215,14 +217,4 @@ class Commands:
 
     def stats(self) -> HostStats:
         """A snapshot of the counters, the pool and the engine's cells."""
-        pool, engine, c, kv = self.kv.pool.stats(), self.engine.stats(), self.counters, self.kv
-        lives = self.sessions.durable.values()
-        return HostStats(c.prefill_tokens, c.decode_tokens, c.cached_tokens, c.generations, c.exports, c.imports,
-                         c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied,
-                         pool.bytes_copied, engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries,
-                         len(lives), len(kv.lanes), len(self.scheduler.active),
-                         waiting=self.scheduler.waiting(), parked_sessions=sum(
-                             1 for live in lives if live.seq is None and live.entry is not None),
-                         idle_parks=c.idle_parks, rejected=c.rejected, cells_total=kv.cells_total,
-                         cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
-                         cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes)
+        return self.scheduler.stats()

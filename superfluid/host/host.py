@@ -28,6 +28,7 @@ from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available,
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
+from superfluid.host.errors import HostClosed
 from superfluid.host.log import SessionLog
 from superfluid.host.prompts import PreparedPrompt, PromptBuilder
 from superfluid.host.request import Priority, Prompt
@@ -159,8 +160,20 @@ class Host:
         self.call(self.commands.retire, session_id)
 
     def stats(self) -> HostStats:
-        """Counters for tests, benchmarks and the server."""
+        """Counters for tests and benchmarks, as they are now (read on the scheduler thread, so
+        it waits for the step in progress)."""
         return self.call(self.commands.stats)
+
+    def published_stats(self) -> HostStats:
+        """The statistics as the scheduler last published them, without waiting for it: at most
+        about 0.1 s old while the engine is busy, and current after every command and every ended
+        generation (published before the caller or the generation's reader hears of it). What a
+        server's /health and /metrics read (HostClosed once the scheduler has stopped)."""
+        published = self._scheduler.published
+        if published is None or not self.alive():
+            raise HostClosed("the host is closed" + (f" (its scheduler failed: {self._scheduler.error})"
+                                                     if self._scheduler.error else ""))
+        return published
 
     def close(self, *, remove_pool: bool = False) -> None:
         """Park every live lane, sync and close the log, release the engine and the pool. Its

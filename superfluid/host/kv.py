@@ -257,9 +257,8 @@ class KVManager:
         cells = 0 if self.unified else parent.kv
         if parent.seq is not None and len(self.lanes) < self.max_sequences and self.cells_free() >= cells:
             self._open(child, self.engine.fork(parent.seq), parent.kv, parent)
-        elif parent.entry is not None and parent.state.parked is not None:
-            self.hold(child, parent.entry)  # the same parked KV: nothing copied, nothing referenced
-            self.sessions.parked(child, parent.entry, parent.state.parked[1])
+        elif parent.state.parked is not None:  # the same parked KV: nothing copied, nothing referenced
+            self.sessions.parked(child, *parent.state.parked)
 
     def truncate(self, live: Live, tokens: int) -> None:
         """Cut `live`'s lane to its first `tokens` positions (EngineError from a cache that
@@ -285,7 +284,7 @@ class KVManager:
         if live.seq is not None:
             self._close(live)
         self.release_held(live)
-        self.hold(live, None)
+        self.unpin(live)
 
     def resync(self, live: Live) -> None:
         """After a step the engine refused part-way: `live.kv` from what the engine holds."""
@@ -315,9 +314,12 @@ class KVManager:
                 info = None
             if info is not None:
                 self.counters.exports += 1
-                self.hold(live, info.id)
-                self.pool.release(info.id)  # cached, not held: see hold()
+                # Sessions hold no reference to their parked KV: under pressure it is evicted by
+                # cost like any cached entry (the session then prefills from its log); only a
+                # pinned session's stays. A swapped-out generation holds one until it resumes.
+                self.pool.release(info.id)
                 self.sessions.parked(live, info.id, live.kv)
+                self.follow_pin(live)
         if hold and live.held is None and self._parked_as_is(live):
             self.pool.share(live.entry)
             live.held = live.entry
@@ -349,7 +351,7 @@ class KVManager:
 
     def _parked_as_is(self, live: Live) -> bool:
         """True when the pool still holds the session's KV as its lane holds it now."""
-        if live.entry is None or live.state.parked is None or live.state.parked[1] != live.kv:
+        if live.state.parked is None or live.state.parked[1] != live.kv:
             return False
         return self._in_pool(live.entry)  # not evicted since
 
@@ -362,28 +364,24 @@ class KVManager:
                 pass  # gone already
             live.held = None
 
-    def hold(self, live: Live, entry: int | None) -> None:
-        """Make `entry` the session's parked KV. Sessions hold no reference to it, so under
-        pressure it is evicted by cost like any cached entry (the session then prefills from its
-        log); only a pinned session's entry stays, and its pin moves to each new park. (A
-        swapped-out generation holds a reference of its own until it resumes.)"""
-        if live.pinned and entry is not None:
-            self.pool.pin(entry)
-        if live.pinned and live.entry is not None:
-            try:
-                self.pool.unpin(live.entry)
-            except PoolError:
-                pass  # already gone
-        live.entry = entry
-        if entry is None:
-            live.pinned = False
+    def follow_pin(self, live: Live) -> None:
+        """Move a pinned session's pin to the entry its state now records as parked (after a
+        park, or a trim that made the parked KV not the session's); with none, it is unpinned."""
+        if not live.pinned or live.pin == live.entry:
+            return
+        if live.entry is None:
+            self.unpin(live)
+            return
+        self.pool.pin(live.entry)
+        self._unpin_entry(live.pin)
+        live.pin = live.entry
 
     def pin(self, live: Live) -> int:
         """Park `live`'s KV as it is now and pin it (PinLimit past the cap); the bytes pinned."""
         if live.pinned:
             return self.pool.info(live.entry).stored_bytes
         self.park(live, keep_lane=True)
-        if live.entry is None:
+        if live.entry is None or not self._in_pool(live.entry):
             raise SuperfluidError(f"session {live.state.id!r} has no KV to pin yet (nothing was prefilled, or the "
                                   "pool had no room); generate first")
         budget, size = self.pool.stats().budget_bytes, self.pool.info(live.entry).stored_bytes
@@ -393,15 +391,19 @@ class KVManager:
                            f"the cap of {cap} ({self.max_pinned_fraction:.0%} of the pool's budget); unpin other "
                            "sessions or raise max_pinned_fraction")
         self.pool.pin(live.entry)
-        live.pinned = True
+        live.pinned, live.pin = True, live.entry
         return size
 
     def unpin(self, live: Live) -> None:
         """Let `live`'s parked KV be evicted again under pressure."""
         if live.pinned:
-            live.pinned = False
+            self._unpin_entry(live.pin)
+            live.pinned, live.pin = False, None
+
+    def _unpin_entry(self, entry: int | None) -> None:
+        if entry is not None:
             try:
-                self.pool.unpin(live.entry)
+                self.pool.unpin(entry)
             except PoolError:
                 pass  # already gone
 

@@ -67,15 +67,22 @@ class Live:
     durable: bool = True  # a session, logged; False: a one-shot request's lane, in memory only
     seq: int | None = None
     kv: int = 0  # state.tokens[:kv] are in the engine sequence
-    entry: int | None = None  # the pool entry holding its parked KV (if not evicted since)
     held: int | None = None  # a pool entry this lane holds a reference to while it is swapped out
     job: Job | None = None
     last_used: int = 0  # the clock of the last thing it did (least recently used is parked first)
     idle_since: float = 0.0  # when its last generation ended (for idle parking)
     since_park: int = 0  # tokens committed since the last export
     pinned: bool = False  # its parked KV is pinned in the pool (the pin moves with each new park)
+    pin: int | None = None  # the pool entry the KV manager pinned for it (it moves to each newly parked entry)
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
     own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
+
+    @property
+    def entry(self) -> int | None:
+        """The pool entry of its parked KV, as its state records it (the pool may have evicted it
+        since: the KV manager asks the pool before reading it)."""
+        parked = self.state.parked
+        return None if parked is None else parked[0]
 
     @property
     def pending(self) -> int:

@@ -41,9 +41,13 @@ from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
 from superfluid.host.session import Piece
 from superfluid.host.sessions import Sessions
-from superfluid.host.stats import Counters
+from superfluid.host.stats import Counters, HostStats
 
 IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
+# How old the published statistics may grow while the engine is busy (/health, /metrics and a
+# router's /get_load read them without waiting for a tick). They are published again at once after
+# every batch of commands and every ended generation, before anyone is told of either.
+STATS_SECONDS = 0.1
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
@@ -98,6 +102,9 @@ class Scheduler:
         self._stopping = False
         self.error: BaseException | None = None
         self._ready = threading.Event()
+        self._ended: list = []  # generations ended this round, told after the statistics are published
+        self.published: HostStats | None = None  # the statistics as of the last publication
+        self._published_at = 0.0
         self.thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
     def next_order(self) -> int:
@@ -146,6 +153,7 @@ class Scheduler:
                 elif not self._stopping:
                     self.kv.park_idle(self.clock(), generating=False)
                     self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
+                self._announce()
                 self.ticks += 1
                 if self.policy.churn is not None and not self._stopping:
                     self.policy.churn.after_tick(self.ticks, self.kv, self.sessions)
@@ -153,6 +161,7 @@ class Scheduler:
             self.error = exc
             self._fail_all(exc)
         finally:
+            self._tell_ended()
             self._drain(block=False, refuse=True)
             self.engine.close()  # idempotent; after a clean close this does nothing
             self.engine.release_thread()  # this thread ends: what the runtime keeps for it goes too
@@ -179,11 +188,15 @@ class Scheduler:
         return future.result()
 
     def _drain(self, block: bool, refuse: bool = False) -> None:
+        """Run the commands that arrived (waiting up to IDLE_WAIT for one if `block`); their
+        callers are answered after the statistics are published, so a caller that reads them next
+        sees its command's effect."""
+        answers = []
         while True:
             try:
                 future, command, args = self._commands.get(timeout=IDLE_WAIT) if block else self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             block = False
             if not future.set_running_or_notify_cancel():
                 continue
@@ -191,9 +204,16 @@ class Scheduler:
                 future.set_exception(HostClosed("the host closed before this call ran"))
                 continue
             try:
-                future.set_result(command(*args))
+                answers.append((future, command(*args), None))
             except Exception as exc:  # handed back to the caller's thread
-                future.set_exception(exc)
+                answers.append((future, None, exc))
+        if answers:
+            self._announce(force=True)
+        for future, result, error in answers:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
     def stop(self) -> None:
         """Ask the thread to end after the current command (run it as a command)."""
@@ -207,6 +227,36 @@ class Scheduler:
             live.job.generation._finish("error", exc)
             live.job = None
         self.active.clear()
+
+    # ----------------------------------------------------------------------------- statistics
+
+    def stats(self) -> HostStats:
+        """The statistics now: the counters, the pool, the engine's cells (on this thread)."""
+        pool, engine, c, kv, sessions = self.kv.pool.stats(), self.engine.stats(), self.counters, self.kv, self.sessions
+        # parked: sessions whose state records parked KV, less those whose lane holds it too
+        parked = sessions.parked_count - sum(1 for live in kv.lanes if live.durable and live.state.parked is not None)
+        return HostStats(c.prefill_tokens, c.decode_tokens, c.cached_tokens, c.generations, c.exports, c.imports,
+                         c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied,
+                         pool.bytes_copied, engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries,
+                         len(sessions.durable), len(kv.lanes), len(self.active), waiting=self.waiting(),
+                         parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
+                         cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
+                         cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes)
+
+    def _announce(self, force: bool = False) -> None:
+        """Publish the statistics (when `force`, when a generation ended, or STATS_SECONDS after
+        the last time), then tell the generations that ended."""
+        now = perf_counter()
+        if self._stopping:  # closed: the pool and the engine are gone, and nobody reads them again
+            pass
+        elif force or self._ended or now - self._published_at >= STATS_SECONDS:
+            self.published, self._published_at = self.stats(), now
+        self._tell_ended()
+
+    def _tell_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        for generation, reason, error in ended:
+            generation._finish(reason, error)
 
     # ----------------------------------------------------------------------------- generations
 
@@ -501,4 +551,8 @@ class Scheduler:
             except Exception as exc:  # a template that cannot close the turn: the tokens are kept
                 error = error or exc
         job.generation.finish_reason = reason
-        job.generation._finish(reason, error)
+        self._ended.append((job.generation, reason, error))  # told once the statistics show it (_announce)
+        if not live.durable:  # a request lane ends with its generation: its KV parked for its prefix
+            self.kv.park(live, keep_lane=False)
+            self.kv.drop(live)
+            self.sessions.remove(live)

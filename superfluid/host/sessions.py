@@ -50,6 +50,7 @@ class Sessions:
         self.descriptor = engine.describe()
         self.durable: dict[str, Live] = {}  # by id: the sessions the log holds
         self.requests: dict[str, Live] = {}  # by id: request lanes, in memory only
+        self.parked_count = 0  # sessions whose state records parked KV (kept as they change: stats never walk them)
         self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
         self._request_ids = itertools.count(1)
         self._chat: ChatTemplate | None = None
@@ -80,7 +81,9 @@ class Sessions:
         """Apply `records` to `live`'s state: for a session written to the log first (one write:
         all or nothing), for a request lane in memory only."""
         if live.durable:
+            was_parked = live.state.parked is not None
             self.log.append(*records)
+            self.parked_count += (live.state.parked is not None) - was_parked
             return
         states = {live.state.id: live.state}
         for record in records:
@@ -142,14 +145,14 @@ class Sessions:
         """Keep `live`'s first `n_tokens` tokens (and the messages that end within them)."""
         self.kv.cut(live, n_tokens)
         self.record(live, Trimmed(live.state.id, n_tokens))
-        if live.state.parked is None:  # the parked KV reached past the cut: it is not the session's now
-            self.kv.hold(live, None)
+        self.kv.follow_pin(live)  # a parked KV reaching past the cut is not the session's now
 
     def remove(self, live: Live) -> None:
         """Forget a session (logged as deleted) or a request lane; its KV is the KV manager's to drop."""
         if live.durable:
             self.log.append(Deleted(live.state.id))
             del self.durable[live.state.id]
+            self.parked_count -= live.state.parked is not None
         else:
             del self.requests[live.state.id]
 
@@ -157,7 +160,6 @@ class Sessions:
         """Sessions from the replayed log, each with the KV it had parked if the segment still
         holds it (any other cached prefix is found by the pool's prefix index when it resumes)."""
         for state in self.log.states.values():
-            live = Live(state)
             if state.parked is not None:
                 entry, tokens = state.parked
                 try:
@@ -167,10 +169,11 @@ class Sessions:
                 # A recreated pool numbers entries from 1 again: the tag (this session's, or the
                 # parent's for a fork that shared its parent's parked KV) tells them apart.
                 owners = {f"session:{state.id}", f"session:{state.parent}"}
-                if (info is not None and info.identity == self.descriptor.identity and info.tokens == tokens
-                        and info.tag in owners):
-                    live.entry = entry
-            self.durable[state.id] = live
+                if (info is None or info.identity != self.descriptor.identity or info.tokens != tokens
+                        or info.tag not in owners):
+                    state.parked = None  # the record names KV the segment no longer holds
+            self.durable[state.id] = Live(state)
+            self.parked_count += state.parked is not None
 
     # ----------------------------------------------------------------------------- chat
 
@@ -231,8 +234,7 @@ class Sessions:
         # where a rewritten message ends inside the new text is unknown: each ends with the whole
         records += [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[kept:]]
         self.commit(live, tokens[keep:], *records, at=keep)  # one log append: all or nothing
-        if state.parked is None:
-            self.kv.hold(live, None)
+        self.kv.follow_pin(live)
 
     def append_tokens(self, live: Live, tokens: list[int]) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""

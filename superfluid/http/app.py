@@ -248,7 +248,7 @@ class App:
     # ----------------------------------------------------------------------------- routes
 
     async def _health(self, exchange: Exchange, _: None) -> None:
-        stats = await self.call(self.host.commands.stats)
+        stats = self.host.published_stats()
         await exchange.json(200, {"status": "ok", "model": self.model_name, "runtime": self.host.runtime,
                                   "kv": responses.kv_summary(stats), "generating": stats.generating,
                                   "waiting": stats.waiting})
@@ -259,19 +259,19 @@ class App:
                                                               "owned_by": "superfluid"}]})
 
     async def _metrics(self, exchange: Exchange, _: None) -> None:
-        data = self.metrics.exposition(await self.call(self.host.commands.stats))
+        data = self.metrics.exposition(self.host.published_stats())
         await exchange.start(200, {"Content-Type": CONTENT_TYPE, "Content-Length": str(len(data))})
         await exchange.write(data, more=False)
 
     async def _server_info(self, exchange: Exchange, _: None) -> None:
-        stats = await self.call(self.host.commands.stats)
+        stats = self.host.published_stats()
         await exchange.json(200, worker.server_info(self.model_name, __version__, stats))
 
     async def _model_info(self, exchange: Exchange, _: None) -> None:
         await exchange.json(200, worker.model_info(self.host.runtime))
 
     async def _load(self, exchange: Exchange, _: None) -> None:
-        await exchange.json(200, worker.load(await self.call(self.host.commands.stats)))
+        await exchange.json(200, worker.load(self.host.published_stats()))
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from superfluid.host.errors import GenerationTimeout, HostClosed, SessionNotFound
+from superfluid.host.errors import GenerationTimeout
 from superfluid.host.prompts import PreparedPrompt
 from superfluid.host.request import GenerateRequest
 from superfluid.http import api, logprobs, responses
@@ -31,16 +31,14 @@ async def one_shot(app: App, exchange: Exchange, request, prompt: PreparedPrompt
                    chat: bool) -> None:
     """A request on a lane of its own (never logged, never listed), its prompt built already:
     opened, filled and started in one scheduler command (a busy engine answers commands between
-    steps, so one wait), answered, then ended: its KV parked in the pool for later requests with
-    the same prefix."""
-    request_id, generation = await app.call(app.host.commands.start_request, prompt, wanted)
+    steps, so one wait), then answered. The lane ends with its generation, on the scheduler
+    thread, before the reply's last bytes: its KV parked in the pool for later requests with the
+    same prefix. A reply cut short (the client left, an error) cancels the generation."""
+    _, generation = await app.call(app.host.commands.start_request, prompt, wanted)
     try:
         await answer(app, exchange, generation, request, chat)
     finally:
-        try:
-            await app.call(app.host.commands.end_request, request_id)
-        except (HostClosed, SessionNotFound):
-            pass  # the host closed under it (its close parked the lane)
+        generation.cancel()  # nothing once it has ended; else it ends at the next tick
 
 
 async def answer(app: App, exchange: Exchange, generation: Generation, request, chat: bool) -> None:

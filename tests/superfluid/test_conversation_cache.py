@@ -104,31 +104,31 @@ def test_real_templates_give_the_tokens_of_one_message_at_a_time(model):
             assert list(cache.tokens(history[:n])) == expected[:n], (model, name, n)
 
 
-def one_shot(host, messages) -> str:
-    """Start a chat request on `messages` on a request lane of its own (1 token); the lane's id
-    (the lane stays until the request is ended: here, never)."""
-    session_id, generation = host.call(host.commands.start_request, host.prepare(Prompt(tuple(messages))),
-                                       GenerateRequest(max_tokens=1, sampling={"temperature": 0.0}))
+def one_shot(host, messages):
+    """A chat request on `messages` on a request lane of its own (1 token), run to its end; the
+    state its lane held (taken as it started: the lane ends with its generation)."""
+    prompt = host.prepare(Prompt(tuple(messages)))
+
+    def start():
+        lane_id, generation = host.commands.start_request(prompt, GenerateRequest(max_tokens=1,
+                                                                                   sampling={"temperature": 0.0}))
+        return host.commands.sessions.requests[lane_id].state, generation
+
+    state, generation = host.call(start)
     generation.collect()
-    return session_id
-
-
-def lane(host, lane_id):
-    """On the scheduler thread: the session or request lane of that id."""
-    sessions = host.commands.sessions
-    return sessions.requests[lane_id] if lane_id in sessions.requests else sessions.get(lane_id)
+    return state
 
 
 def test_a_request_holds_what_appending_its_messages_in_turn_holds(open_host):
     host = open_host()
     history = conversation(5) + [("user", "And now?")]
     one_shot(host, history[:5])  # an earlier request of the same conversation (what follows it: one by one)
-    request = one_shot(host, history)
+    state = one_shot(host, history)
     assert host.prompts.conversations.rendered == len(history)  # each message once
     session = host.session()
     for role, content in history:
         session.append_message(role, content)
-    state, one_by_one = (host.call(lambda sid=sid: lane(host, sid).state) for sid in (request, session.id))
+    one_by_one = host.call(lambda: host.commands.sessions.get(session.id).state)
     # then come the generation prompt, the token generated, and the reply's message
     assert state.tokens[:len(one_by_one.tokens)] == one_by_one.tokens
     assert state.message_ends[:len(history)] == one_by_one.message_ends
@@ -139,11 +139,10 @@ def test_a_request_on_a_template_that_rewrites_past_turns_holds_what_the_whole_r
     host = template_host(DROPS_PAST_REASONING)
     history = [("user", "Hello there"), ("assistant", "<think>long reasoning here</think>Hi!"),
                ("user", "How are you?")]
-    request = one_shot(host, history)
+    state = one_shot(host, history)
     messages = [{"role": role, "content": content} for role, content in history]
     whole = host.call(lambda: host.commands.engine.tokenize(
         ChatTemplate(DROPS_PAST_REASONING).render(messages, generation_prompt=True), special=True))
-    state = host.call(lambda: lane(host, request).state)
     assert state.tokens[:len(whole)] == whole and state.messages[:3] == messages
 
 
