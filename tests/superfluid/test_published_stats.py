@@ -94,3 +94,38 @@ def get(address, path: str) -> tuple[int, bytes]:
         return response.status, response.read()
     finally:
         connection.close()
+
+
+def test_parked_sessions_are_counted_as_a_walk_over_every_session_would_count_them(open_host, tmp_path):
+    host = open_host(log_dir=tmp_path / "log")
+
+    def walked() -> int:  # on the scheduler thread: what the count stands for
+        return sum(1 for live in host.commands.sessions.durable.values()
+                   if live.seq is None and live.state.parked is not None)
+
+    def agree() -> int:
+        counted, walk = host.stats().parked_sessions, host.call(walked)
+        assert counted == walk
+        return counted
+
+    first, second = host.session(), host.session()
+    for s in (first, second):
+        s.append_text(PROMPT)
+        s.complete(max_tokens=3)
+    agree()  # (in a unified cache the first was parked while the second generated)
+    host.call(host.commands.retire, first.fork().id)  # a fork parked then deleted: counted in, then out
+    first.pin()
+    agree()
+    host.call(lambda: host.commands.kv.park(host.commands.sessions.get(second.id), keep_lane=False))
+    before = agree()
+    child = second.fork()  # second has no lane: the child takes its parked KV by reference
+    assert agree() == before + 1
+    child.trim(2)  # the parked KV reached past the cut: not the child's any more
+    assert agree() == before
+    host.delete(second.id)
+    assert agree() == before - 1
+    host.close()  # every lane parked
+    again = open_host(log_dir=tmp_path / "log")
+    counted = again.stats().parked_sessions
+    assert counted == again.call(lambda: sum(1 for live in again.commands.sessions.durable.values()
+                                             if live.state.parked is not None)) == 1  # first: the child kept no KV
