@@ -126,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "stream)")
     flag("--decode-reserve", type=int, default=64, help="KV cells a generation must find free beyond its prompt to "
          "be admitted (default: 64)")
+    flag("--first-token-target", type=float, default=1.0, help="seconds a step may last at most: what a request "
+         "arriving during it waits before its prompt goes first; steps carry as many prompt tokens as the measured "
+         "step costs fit (default: 1)")
+    flag("--decode-step-target", type=float, default=0.5, help="seconds a step may last at most while a reply is "
+         "being decoded: the longest wait between its tokens while prompts are fed (default: 0.5)")
     for runtime in registry.RUNTIMES:
         group = parser.add_argument_group(f"{runtime} options", f"for models on the {runtime} runtime")
         for spec in registry.adapter(runtime).options():
@@ -211,6 +216,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                            log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
                            max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
                            decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
+                           first_token_target=args.first_token_target, decode_step_target=args.decode_step_target,
                            **{f"{runtime}_{k}": v for k, v in options.items()})
     except BaseException as exc:  # noqa: BLE001 - each failure is answered with its line and code
         if server is not None:

@@ -56,7 +56,8 @@ class Host:
                  publish_tokens: int = 256, on_context_full: str = "error", high_watermark: float = 0.9,
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
-                 max_wait_seconds: float | None = None, tick_seconds: float | None = 0.05,
+                 max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
+                 decode_step_target: float | None = 0.5,
                  engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,
                  clock: Callable[[], float] = time.monotonic, **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
@@ -67,9 +68,11 @@ class Host:
         in the engine's free cells, else it waits; idle lanes are parked into the pool after
         `idle_park_seconds` (None: only when room is needed); beyond `max_waiting` generations
         waiting, or after `max_wait_seconds` without starting, a generation is refused with
-        Overloaded (None: no limit). Prefill is cut into chunks of at most `prefill_budget` tokens,
-        fewer where a step would last longer than `tick_seconds` (None: no time bound), since a
-        step is what every decoding lane and every new request waits for. `engine_factory` opens
+        Overloaded (None: no limit). Each step is planned as a token budget: a decode token for
+        every decoding lane, then prompt chunks (at most `prefill_budget` tokens), as many as the
+        measured step costs fit in `first_token_target` seconds (what a request arriving during
+        a step waits before its prompt goes first), and in `decode_step_target` seconds while a
+        lane decodes (what its next token waits); None: no bound. `engine_factory` opens
         an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
         only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
         checks the KV bookkeeping as it goes (see superfluid.host.churn.Churn); outputs do not change.
@@ -77,7 +80,8 @@ class Host:
         are measured in (monotonic; a test passes one it moves itself)."""
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
-        policy = _policy(prefill_budget=prefill_budget, tick_seconds=tick_seconds, checkpoint_tokens=checkpoint_tokens,
+        policy = _policy(prefill_budget=prefill_budget, first_token_target=first_token_target,
+                         decode_step_target=decode_step_target, checkpoint_tokens=checkpoint_tokens,
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
                          max_wait_seconds=max_wait_seconds, watermarks=(high_watermark, low_watermark),
@@ -212,7 +216,7 @@ def _policy(**settings: Any) -> Policy:
             raise ValueError(f"{name}={value!r}: must be a whole number >= {0 if name == 'decode_reserve' else 1}")
     if settings["max_waiting"] is not None and (not isinstance(settings["max_waiting"], int) or settings["max_waiting"] < 1):
         raise ValueError(f"max_waiting={settings['max_waiting']!r}: must be a whole number >= 1, or None for no limit")
-    for name in ("idle_park_seconds", "max_wait_seconds", "tick_seconds"):
+    for name in ("idle_park_seconds", "max_wait_seconds", "first_token_target", "decode_step_target"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
     if settings["churn"] is not None and not isinstance(settings["churn"], Churn):

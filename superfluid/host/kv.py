@@ -8,7 +8,10 @@ managed resource and the pool is their swap space:
   decode reserve fits in the cells that are neither used nor reserved by admitted generations.
   A fork of a live lane in a unified cache costs no cells for the shared prefix.
 - **Swap.** To make room: idle lanes are parked first (least recently used first); then an
-  interactive arrival preempts the least urgent lane of another class. A step whose lanes grew
+  interactive arrival preempts the least urgent lane of another class, and any arrival preempts
+  a lane of its class or a less urgent one whose prompt is still being fed and has at least
+  SHORT_FACTOR times more left than the arrival's (a short request never waits for a long one
+  to finish its prompt because the long ones hold every sequence). A step whose lanes grew
   past what is free preempts the running lane that matters least (lowest priority, then the
   most recently started, then the most uncached work). A preempted lane's KV is parked and held
   by reference until it resumes, by import: it is never prefilled again while its entry lives.
@@ -37,6 +40,12 @@ if TYPE_CHECKING:
     from superfluid.host.sessions import Sessions
 
 INTERACTIVE = Priority.INTERACTIVE
+# How much more prompt a lane being prefilled must have left than an arrival's uncached prompt for
+# the arrival to swap it out. Swapping costs a copy of the lane's KV out and back in (memcpy
+# speed, milliseconds) against the arrival's wait for seconds of prefill; the margin keeps two
+# prompts of similar length from taking each other's sequence in turn, and the long one's age
+# (short-first with aging, superfluid/host/scheduler.py) soon lets it stay.
+SHORT_FACTOR = 4
 
 
 class Source(NamedTuple):
@@ -74,6 +83,8 @@ class KVManager:
         self.high_watermark, self.low_watermark = watermarks
         self.max_pinned_fraction = max_pinned_fraction
         self.order = order
+        # admission order (set by the scheduler, which owns it): who may swap whom out
+        self.urgency: Callable[[Live, int], tuple] = lambda live, uncached: (live.job.priority, uncached)
         self.lanes: list[Live] = []  # sessions holding an engine sequence
         self._groups = itertools.count(1)
 
@@ -129,7 +140,8 @@ class KVManager:
         """Give waiting `live` a lane holding the prefix `source` offers, making room by swap if
         need be. False when it must wait (the cells or sequences are taken by what matters as
         much). EngineError when the engine refuses it (the lane is freed again)."""
-        if not self._make_room(live, self.cells_needed(live, source), source.lane if source.forks else None):
+        uncached = len(live.state.tokens) - max(source.lane_tokens, source.pool_tokens)
+        if not self._make_room(live, self.cells_needed(live, source), source.lane if source.forks else None, uncached):
             return False
         if source.lane is not None and source.lane.seq is None:
             source = self.source(live)  # the lane it would fork was parked to make room
@@ -143,11 +155,11 @@ class KVManager:
         live.job.reserved_to = len(live.state.tokens) + self.reserve_for(live)
         return True
 
-    def _make_room(self, live: Live, cells: int, keep: Live | None) -> bool:
+    def _make_room(self, live: Live, cells: int, keep: Live | None, uncached: int) -> bool:
         """Park idle lanes (not `keep`, the lane to fork), then preempt, until `cells` and a
         sequence are free; nothing is moved unless that is enough."""
         idle = [other for other in self.lanes if other.job is None and other is not keep]
-        victims = self._victims_for(live)
+        victims = [other for other in self._victims_for(live, uncached) if other is not keep]
         freeable = sum(self._own_cells(other) for other in idle + victims)
         freeable_seqs = len(idle) + len(victims)
         if (self.cells_free() + freeable < cells
@@ -166,13 +178,24 @@ class KVManager:
         reserved = max(live.job.reserved_to, len(live.state.tokens)) - live.kv if live.job is not None else 0
         return live.kv - live.own.start + reserved
 
-    def _victims_for(self, live: Live) -> list[Live]:
-        """The lanes an interactive arrival may preempt, least urgent first: those of a less
-        urgent class."""
-        if live.job.priority != INTERACTIVE:
-            return []
-        running = [other for other in self.lanes if other.job is not None and other.job.priority > live.job.priority]
-        return sorted(running, key=self.unimportance, reverse=True)
+    def _victims_for(self, live: Live, uncached: int) -> list[Live]:
+        """The lanes waiting `live` (with `uncached` prompt tokens to feed) may swap out, least
+        urgent first: for an interactive arrival those of a less urgent class; for any arrival
+        those of its class or a less urgent one still being prefilled with at least SHORT_FACTOR
+        times its uncached prompt left."""
+        job = live.job
+        mine = self.urgency(live, uncached)
+        victims = {}
+        for other in self.lanes:
+            theirs = other.job
+            if theirs is None:
+                continue
+            if job.priority == INTERACTIVE and theirs.priority > job.priority:
+                victims[other] = self.unimportance(other)
+            elif (theirs.priority >= job.priority and not theirs.produced and other.pending > 1
+                  and other.pending >= SHORT_FACTOR * max(uncached, 1) and self.urgency(other, other.pending) > mine):
+                victims[other] = self.unimportance(other)
+        return sorted(victims, key=victims.__getitem__, reverse=True)
 
     @staticmethod
     def unimportance(live: Live) -> tuple:

@@ -10,10 +10,11 @@ Every public call reaches it as a command (a callable and its arguments, answere
        prefix when its cells fit, else it waits (swap makes room where the class allows)
     4. park idle lanes (the KV manager: past idle_park_seconds, or at once in a unified cache
        while others generate), after admission so that a waiting generation may fork them first
-    5. one packed step: a decode token for every decoding lane (never held back by prefill), then
-       prefill chunks, most urgent first, within the tick's token budget (cut so a step lasts about
-       tick_seconds, but at least WHOLE_PROMPT tokens while no lane decodes or an interactive one
-       runs) and the free cells; while an interactive lane runs, other classes' prefill waits
+    5. one packed step, planned as a token budget (superfluid/host/planner.py): a decode token for
+       every decoding lane (never held back by prefill), then prefill chunks, most urgent first,
+       as many as the measured step costs fit within the first-token target (and the decode-step
+       target while a lane decodes), the prefill budget and the free cells; while an interactive
+       lane runs, other classes' prefill waits
     6. sample, commit each token to the session log (written before it is reported), stream it
     7. checkpoint lanes that committed enough tokens since they were last parked; sync the log
 """
@@ -39,6 +40,7 @@ from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, O
 from superfluid.host.kv import INTERACTIVE, KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
+from superfluid.host.planner import MIN_PREFILL_CHUNK, StepCosts, prefill_budget, step_seconds
 from superfluid.host.session import Piece
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats
@@ -51,17 +53,6 @@ STATS_SECONDS = 0.1
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
-# The fewest tokens a prefill step takes. Small chunks cost prefill speed: on SmolLM2 with flash
-# attention on 2 cores, 1,800 tokens prefill at 251 tok/s in chunks of 512, 166 of 32, 160 of 16
-# and 150 of 8. But a step is what an arrival waits for, and past ~1,200 tokens of context a
-# 16-token step took 130 ms, an 8-token one 69 ms: 8 keeps the tick's promise for 6% of speed.
-MIN_PREFILL_CHUNK = 8
-# A step carries at least this many prefill tokens whatever the tick says while an interactive lane
-# runs, or while no lane decodes (then only arrivals wait on the step, for one step of this size at
-# most). A step reads every weight whatever it carries: on SmolLM2 with flash attention on 2 cores,
-# at 2,000 tokens of context, an 8-token step took 90 ms and a 64-token one 435 ms (11.2 against
-# 6.8 ms a token), and a chat turn's 40 new tokens cut to the tick came 60-80 ms later than whole.
-WHOLE_PROMPT = 64
 T = TypeVar("T")
 
 
@@ -70,7 +61,8 @@ class Policy:
     """How the scheduler spends the engine (see Host for each setting's meaning)."""
 
     prefill_budget: int = 512
-    tick_seconds: float | None = 0.05
+    first_token_target: float | None = 1.0
+    decode_step_target: float | None = 0.5
     checkpoint_tokens: int = 256
     publish_tokens: int = 256
     on_context_full: str = "error"
@@ -95,7 +87,7 @@ class Scheduler:
         # these and the lanes, never at every session (most are idle)
         self.active: dict[Live, None] = {}
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
-        self.seconds_per_token: float | None = None  # measured cost of a prefill token (moving average)
+        self.costs = StepCosts()  # measured seconds of steps by the tokens they carried
         self._commands: queue.Queue = queue.Queue()
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
@@ -136,6 +128,7 @@ class Scheduler:
                             idle_park_seconds=idle_park_seconds, watermarks=policy.watermarks,
                             max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
         self.sessions.kv = self.kv
+        self.kv.urgency = self.urgency
 
     def _run(self) -> None:
         try:
@@ -378,11 +371,9 @@ class Scheduler:
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         interactive = any(live.job.priority == INTERACTIVE for live in lanes)
-        # what one step can carry (the engine's batch, the free cells), and what the tick allows
+        # what one step can carry (the engine's batch, the free cells), and what its time allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
-        budget = self.prefill_tokens()
-        if interactive or not decode:  # (never past the configured budget)
-            budget = max(budget, min(WHOLE_PROMPT, self.policy.prefill_budget))
+        budget = self.prefill_tokens(len(decode))
         budget, prefill = min(budget, limit), []
         for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
             if budget <= 0:
@@ -398,15 +389,13 @@ class Scheduler:
             prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
         return decode, prefill
 
-    def prefill_tokens(self) -> int:
-        """Prefill tokens for this tick: the budget, cut so a step lasts about tick_seconds at the
-        measured cost per token (never below MIN_PREFILL_CHUNK). A tick is what a new request, a
-        command and every decoding lane wait for; the price is prefill speed at long context
-        (about two thirds of the speed of 512-token chunks, measured on a CPU)."""
-        budget, target = self.policy.prefill_budget, self.policy.tick_seconds
-        if target is None or self.seconds_per_token is None:
-            return budget
-        return min(budget, max(MIN_PREFILL_CHUNK, int(target / self.seconds_per_token)))
+    def prefill_tokens(self, decoding: int) -> int:
+        """Prompt tokens for this step beside `decoding` decode tokens: what the measured step
+        costs fit within the first-token target, and the decode-step target while a lane decodes
+        (within the prefill budget; see superfluid/host/planner.py)."""
+        policy = self.policy
+        seconds = step_seconds(policy.first_token_target, policy.decode_step_target, decoding > 0)
+        return prefill_budget(self.costs, policy.prefill_budget, seconds, decoding)
 
     def _room_for_step(self, lanes: list[Live]) -> int:
         """Free cells for this step: at least one per decoding lane (and one for prefill when none
@@ -477,12 +466,8 @@ class Scheduler:
         return live.kv - parked >= self.policy.checkpoint_tokens
 
     def _measure(self, requests: list, seconds: float) -> None:
-        """Fold a step's time per token into the prefill cost (steps of one token each are decode
-        steps, whose per-token cost says nothing of prefill)."""
-        tokens = sum(len(request.tokens) for _, request in requests)
-        if tokens > len(requests):
-            cost = seconds / tokens
-            self.seconds_per_token = cost if self.seconds_per_token is None else 0.7 * self.seconds_per_token + 0.3 * cost
+        """Fold a step's time into the measured step costs, by the tokens it carried."""
+        self.costs.observe(sum(len(request.tokens) for _, request in requests), seconds)
 
     def _no_room(self, stepped: list[Live]) -> None:
         """The engine found no room for a step its cells seemed to allow (a fragmented cache):

@@ -8,7 +8,7 @@ import pytest
 
 from superfluid import ContextFull, SessionBusy, SessionNotFound
 from superfluid.host.chat import CHATML, ChatTemplate
-from superfluid.host.scheduler import MIN_PREFILL_CHUNK
+from superfluid.host.planner import MIN_PREFILL_CHUNK
 from tests.conftest import in_threads
 
 PROMPT = "The capital of France is Paris. The quick brown fox"

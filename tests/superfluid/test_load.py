@@ -9,6 +9,7 @@ tokens as alone" means every swap, fork and restore put back exactly the right s
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 from engines.errors import EngineError
 from superfluid import ContextFull, Host
-from superfluid.host import scheduler
+from superfluid.host import planner, scheduler
 from superfluid.host.churn import Churn
 from superfluid.host.errors import Overloaded
 from superfluid.host.request import GenerateRequest
@@ -218,49 +219,68 @@ def prompt_chunks(fed: list[int], prompt_tokens: int) -> list[int]:
     return chunks
 
 
-def test_slow_steps_cut_prefill_to_the_tick_without_a_runt_tail(cell_host, monkeypatch):
-    # 5 ms a token: a 50 ms tick holds 10 tokens, the decoding lane's one among them
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), tick_seconds=0.05)
+def test_steps_beside_a_decoding_lane_last_the_decode_step_target_without_a_runt_tail(cell_host, monkeypatch):
+    # 5 ms a token: a 50 ms step holds 10 tokens, the decoding lane's one among them
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05)
     on_simulated_time(monkeypatch, engine)
     _, generations = start(host, [prompt(0, 1003), prompt(1, 10)], max_tokens=100)
     for g in generations:
         g.collect()
     (short, _), (long, _) = engine.steps[0]  # the short prompt first, then what the budget has left
     assert fed_to(engine, short)[:1] == [10] and set(fed_to(engine, short)[1:]) == {1}
-    # unmeasured, the first step takes the whole budget; then 9 or 10 a tick beside the decoding
-    # lane's token (the measured cost is a moving average, so float rounding moves the cut by one),
-    # and no runt tail: the last chunk takes what a tick-sized one would have left
+    # unmeasured, the first step takes the whole budget; then 9 a step beside the decoding lane's
+    # token (a moving average may move the cut by one), and no runt tail: the last chunk takes
+    # what a step-sized one would have left
     chunks = prompt_chunks(fed_to(engine, long), 1003)
-    assert chunks[0] == 502 and all(9 <= n <= 10 for n in chunks[1:-1]) and len(chunks) > 40
-    assert scheduler.MIN_PREFILL_CHUNK <= chunks[-1] < 10 + scheduler.MIN_PREFILL_CHUNK
+    assert chunks[0] == 502 and all(8 <= n <= 10 for n in chunks[1:-1]) and len(chunks) > 40
+    assert planner.MIN_PREFILL_CHUNK <= chunks[-1] < 10 + planner.MIN_PREFILL_CHUNK
 
 
-def test_the_tick_never_cuts_prefill_below_the_smallest_chunk(cell_host, monkeypatch):
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), tick_seconds=0.05)  # 1 token a tick
+def test_the_targets_never_cut_prefill_below_the_smallest_chunk(cell_host, monkeypatch):
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), decode_step_target=0.05)  # 1 token a step
     on_simulated_time(monkeypatch, engine)
     _, generations = start(host, [prompt(0, 600), prompt(1, 10)], max_tokens=30)
     for g in generations:
         g.collect()
     long = engine.steps[0][1][0]
-    assert prompt_chunks(fed_to(engine, long), 600) == [502] + [scheduler.MIN_PREFILL_CHUNK] * 11 + [10]
+    assert prompt_chunks(fed_to(engine, long), 600) == [502] + [planner.MIN_PREFILL_CHUNK] * 11 + [10]
 
 
-def test_with_no_lane_decoding_a_step_carries_a_whole_turn_whatever_the_tick(cell_host, monkeypatch):
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), tick_seconds=0.05)  # 1 token a tick
+def test_with_no_lane_decoding_a_step_lasts_the_first_token_target(cell_host, monkeypatch):
+    # 50 ms a token: 2.5 s hold 50 tokens; nobody decodes, so only the first-token target bounds a step
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.05), first_token_target=2.5,
+                             decode_step_target=0.05)
     on_simulated_time(monkeypatch, engine)
     session = host.session()
     session.append_tokens(prompt(0, 700))
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    assert [n for step in engine.steps for _, n in step] == [512, scheduler.WHOLE_PROMPT, scheduler.WHOLE_PROMPT, 60]
+    assert [n for step in engine.steps for _, n in step] == [512, 50, 50, 50, 38]
     session.append_tokens(prompt(1, 40))  # the next turn of a conversation: one step
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    assert [n for step in engine.steps[4:] for _, n in step] == [40 + 1]  # with the last reply token
+    assert [n for step in engine.steps[5:] for _, n in step] == [40 + 1]  # with the last reply token
+
+
+def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_cost_per_step(cell_host, monkeypatch):
+    # 40 ms a step whatever it carries, 5 ms a token: 0.5 s hold 92 tokens, 1 s hold 192
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.04, 0.005))
+    on_simulated_time(monkeypatch, engine)
+    _, generations = start(host, [prompt(0, 1500), prompt(1, 10)], max_tokens=200)
+    for g in generations:
+        g.collect()
+    long = engine.steps[0][1][0]
+    chunks = prompt_chunks(fed_to(engine, long), 1500)
+    # beside the short one's decoding, within the default decode-step target (0.5 s): its token and
+    # 91 of the prompt. The first sized step is guessed from the 512-token one alone (its cost
+    # per token, which hides the fixed cost: 97 tokens, 0.53 s); from then on the steps measured
+    # near that size predict it exactly.
+    assert chunks[0] == 502 and chunks[1] == 97 and all(n in (90, 91) for n in chunks[2:-1])
+    assert all(engine.step_seconds[0] + engine.step_seconds[1] * (n + 1) <= 0.5 + 1e-9 for n in chunks[2:-1])
 
 
 def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), tick_seconds=0.05)
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05)
     on_simulated_time(monkeypatch, engine)
-    start(host, [prompt(0, 600)], max_tokens=1)[1][0].collect()  # the cost is measured: 16-token chunks
+    start(host, [prompt(0, 600)], max_tokens=1)[1][0].collect()  # the cost is measured
     sessions = [host.session() for _ in range(3)]
     for session, tokens in zip(sessions, [prompt(1, 1500), prompt(2, 1500), prompt(3, 40)]):
         session.append_tokens(tokens)
@@ -272,10 +292,46 @@ def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow
         g.collect()
     after = engine.steps[queued:]
     assert [n for _, n in after[0]] == [40]  # the chat first, whole, alone
-    # the long ones tick-sized beside a decoding lane; with none decoding, in WHOLE_PROMPT steps
+    # the long ones sized to the decode-step target beside a decoding lane (0.05 s: 10 tokens);
+    # with none decoding, to the first-token target (1 s: 200 tokens)
     beside = [step for step in after[2:] if any(n == 1 for _, n in step) and any(n > 1 for _, n in step)]
     assert beside and all(n <= 10 + 7 for step in beside for _, n in step)
-    assert all(n <= scheduler.WHOLE_PROMPT for step in after[2:] for _, n in step)
+    assert all(sum(n for _, n in step) <= 200 for step in after[2:])
+
+
+def test_a_short_request_is_not_held_behind_long_prompts_that_hold_every_sequence(cell_host):
+    # Four long prompts of the default class hold all four sequences; a short one of the same
+    # class, with no priority, arrives while they are being prefilled: it swaps the least urgent
+    # out (its KV parked and held, resumed by import later), and is answered before they finish.
+    steps = itertools.count()
+    gate = Gate(lambda requests: next(steps) == 2)  # the long prompts' third prefill step
+    host, engine = cell_host(cells=1 << 15, max_sequences=4, prefill_budget=64, gate=gate)
+    short = waiting_session(host, prompt(9, 20))
+    sessions, long = start(host, [prompt(i, 1500) for i in range(4)], max_tokens=8)
+    chat = gate.generate_while_held(host, short, max_tokens=4)
+    chat.collect()
+    fed_before_chat_ended = len(engine.steps)
+    outputs = [g.collect() for g in long]
+    assert all(len(g.tokens) == 8 for g in long) and len(chat.tokens) == 4
+    stats = host.stats()
+    # one long lane swapped out (the one with the least fed: nothing to copy), and no prompt token
+    # fed twice
+    assert stats.preemptions == 1 and stats.prefill_tokens == 4 * 1500 + 20
+    assert fed_before_chat_ended < len(engine.steps) - 10  # the chat ended long before the long prompts did
+    # the swapped-out lane's output is what it would have been without the swap
+    alone, _ = cell_host(cells=1 << 15, max_sequences=4, prefill_budget=64)
+    again, generations = start(alone, [prompt(i, 1500) for i in range(4)], max_tokens=8)
+    assert [g.collect() for g in generations] == outputs
+
+
+def test_same_sized_prompts_never_swap_each_other_out(cell_host):
+    gate = Gate(lambda requests: True)
+    host, _ = cell_host(cells=1 << 15, max_sequences=2, prefill_budget=64, gate=gate)
+    third = waiting_session(host, prompt(9, 1000))
+    start(host, [prompt(i, 1500) for i in range(2)], max_tokens=4)
+    late = gate.generate_while_held(host, third, max_tokens=4)
+    late.collect()
+    assert host.stats().preemptions == 0  # 1,000 tokens against 1,500 left: it waits its turn
 
 
 def test_decode_is_never_held_back_by_prefill(cell_host):
