@@ -164,10 +164,10 @@ class Front:
 
 
 def start_worker(model: Path, name: str, scratch: str) -> servers.Served:
-    """`superfluid serve` named `name` among the workers, on a pool and log of its own, on one
-    thread (two workers share this machine's two cores)."""
+    """`superfluid serve` named `name` among the workers, on a pool and log of its own (512 MiB:
+    several share this machine's memory), on one thread (two workers share its two cores)."""
     return servers.start_ours(model, 4096, os.path.join(scratch, name), pool=f"bench-{name}-{os.getpid()}",
-                              threads=1, extra=("--worker-name", name))
+                              threads=1, extra=("--worker-name", name, "--pool-bytes", "512M"))
 
 
 def load_of(sizes: RoutingSizes) -> list[list[dict]]:

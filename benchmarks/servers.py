@@ -173,12 +173,13 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
                extra: tuple[str, ...] = ()) -> Served:
     """`superfluid serve` on `model` through llama.cpp on `threads` threads with `n_ctx` cells
     (None: serve's default, sized from memory), on a pool (`pool`, default one named for this
-    process) and log of its own, with `extra` flags."""
+    process; sized as serve sizes it unless `extra` says --pool-bytes) and log of its own, with
+    `extra` flags."""
     from kvpool import segment
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
-            "--pool-bytes", str(512 << 20), "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
+            "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
             str(threads), "--llamacpp-threads-batch", str(threads),
             *(["--llamacpp-n-ctx", str(n_ctx)] if n_ctx is not None else []),
             # no refusal for waiting long (serve's default 300 s): the peers have no such limit, and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import mmap
 import os
 import resource
 import socket
@@ -95,8 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--port", type=int, default=8000, help="port (0: a free one, printed)")
     flag("--api-key", help="require Authorization: Bearer KEY on every route but /health")
     flag("--pool-name", default="superfluid", help="the shared-memory KV pool's name")
-    flag("--pool-bytes", type=size, default=DEFAULT_POOL_BYTES, help="its size, taken up front, in bytes or with a "
-         f"unit: 512M, 2G (default: {DEFAULT_POOL_BYTES >> 20}M)")
+    flag("--pool-bytes", type=size, help="its size, taken up front, in bytes or with a unit: 512M, 2G (default: an "
+         f"eighth of the memory available once the weights are loaded, within {DEFAULT_POOL_BYTES >> 20}M and "
+         f"{MAX_AUTO_POOL_BYTES >> 30}G)")
     flag("--export-budget", type=size, help="bytes of KV the pool may hold (default: computed from the pool's size "
          "and the memory available)")
     flag("--log-dir", type=Path, help="the session log's directory (default: sessions/<pool name> under "
@@ -180,9 +182,49 @@ def runtime_options(runtime: str, args: argparse.Namespace) -> dict:
         raise UsageError(str(exc)) from None
 
 
+# serve sizes its pool from the memory it finds when no --pool-bytes is given. The library's
+# default (512 MiB, about 23,000 tokens of SmolLM2-135M) is too small for a server: 24 returning
+# conversations of ~750-token documents were prefilled again every round, where a 2 GiB pool kept
+# them all (19,737 cached tokens, as llama-server's 8 GiB prompt cache did). An eighth of what is
+# available leaves the rest to the weights, the engine's cells and the application; 4 GiB at most,
+# since the pool is reserved up front (llama-server's --cache-ram, 8 GiB by default, is a limit).
+AUTO_POOL_FRACTION = 8
+MAX_AUTO_POOL_BYTES = 4 << 30
+
+
+def pool_size(model: Path, asked: int | None) -> tuple[int, str]:
+    """The pool's size and why: `asked` (--pool-bytes), else an eighth of the memory available
+    beside the weights, within DEFAULT_POOL_BYTES and MAX_AUTO_POOL_BYTES."""
+    if asked is not None:
+        return asked, "set by --pool-bytes"
+    left = max(0, host_memory_available() - weights_bytes(model))
+    chosen = min(MAX_AUTO_POOL_BYTES, max(DEFAULT_POOL_BYTES, left // AUTO_POOL_FRACTION >> 20 << 20))  # whole MiB
+    reason = (f"an eighth of the {left / 2**30:.1f} GiB available beside the weights, within "
+              f"{DEFAULT_POOL_BYTES >> 20} MiB and {MAX_AUTO_POOL_BYTES >> 30} GiB")
+    shm = shared_memory_free()
+    if shm is not None and chosen > max(DEFAULT_POOL_BYTES, shm // 2):  # a container's small /dev/shm
+        chosen = max(DEFAULT_POOL_BYTES, shm // 2 >> 20 << 20)
+        reason = f"half of the {shm / 2**30:.1f} GiB free in /dev/shm"
+    return chosen, reason
+
+
+def shared_memory_free() -> int | None:
+    """Bytes free in /dev/shm, where the pool's segment lives (None where it cannot be read)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def weights_bytes(model: Path) -> int:
+    """The bytes of the model's file, or of its directory's files."""
+    return model.stat().st_size if model.is_file() else sum(p.stat().st_size for p in model.rglob("*") if p.is_file())
+
+
 def check_memory(model: Path, pool_bytes: int) -> None:
     """ModelLoadError (exit 3) with the figures when the weights and the pool cannot fit."""
-    weights = model.stat().st_size if model.is_file() else sum(p.stat().st_size for p in model.rglob("*") if p.is_file())
+    weights = weights_bytes(model)
     available = host_memory_available()
     if weights + pool_bytes > available:
         raise ModelLoadError(f"the weights ({weights / 2**30:.2f} GiB) and the KV pool ({pool_bytes / 2**30:.2f} GiB) "
@@ -211,8 +253,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                                      f"{runtime}`")
         options = runtime_options(runtime, args)
         server = _listen(args, model)
-        check_memory(model, args.pool_bytes)
-        server.host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=args.pool_bytes,
+        pool_bytes, pool_reason = pool_size(model, args.pool_bytes)
+        check_memory(model, pool_bytes)
+        server.host = Host(model, runtime=runtime, pool_name=args.pool_name, pool_bytes=pool_bytes,
                            log_dir=args.log_dir, export_budget=args.export_budget, max_waiting=args.max_waiting,
                            max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
                            decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
@@ -222,7 +265,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         if server is not None:
             server.close()
         return _failed(exc)
-    return _serve(server, runtime)
+    return _serve(server, runtime, pool_bytes, pool_reason)
 
 
 def _listen(args: argparse.Namespace, model: Path) -> Server:
@@ -283,11 +326,11 @@ def _failed(exc: BaseException) -> int:
     return code
 
 
-def _serve(server: Server, runtime: str) -> int:
+def _serve(server: Server, runtime: str, pool_bytes: int, pool_reason: str) -> int:
     """Answer requests until SIGTERM or SIGINT, then stop gracefully (superfluid.http.server)."""
     host = server.host
 
-    sized = start_lines(host, runtime)
+    sized = start_lines(host, runtime, pool_bytes, pool_reason)
 
     def serving() -> None:  # once requests are answered and SIGTERM stops it gracefully
         print(f"superfluid: serving {server.model_name} ({runtime}) on {server.url}", flush=True)
@@ -306,10 +349,10 @@ def _serve(server: Server, runtime: str) -> int:
 CELLS_OPTION = {"llamacpp": "n_ctx", "mlx": "kv_cells"}
 
 
-def start_lines(host: Host, runtime: str) -> list[str]:
+def start_lines(host: Host, runtime: str, pool_bytes: int, pool_reason: str) -> list[str]:
     """What serve sized and why, said once at start: the engine's cells (how many, their price,
     what decided their number and the flag that changes it), the context one session may use, and
-    the pool's export budget (how much, in tokens, and what bounds it)."""
+    the pool (its size and what chose it; its export budget, in tokens, and what bounds it)."""
     descriptor = host.descriptor
     kv = kv_summary(host.stats())
     flag = f"--{runtime}-{CELLS_OPTION[runtime].replace('_', '-')}" if runtime in CELLS_OPTION else None
@@ -323,9 +366,12 @@ def start_lines(host: Host, runtime: str) -> list[str]:
     session = (f"one session holds up to {context:,} tokens: "
                + ("every cell" if context >= kv["cells"] else "the model's trained context; the other cells are for "
                   "other sessions"))
-    budget = (f"pool: up to {kv['pool_budget_bytes'] / 2**20:,.0f} MiB of KV kept beyond the cells "
-              f"({kv['pool_tokens']:,} tokens), {host.pool.header.budget_reason}; --pool-bytes and "
-              "--export-budget set it")
+    size = host.pool.header.size
+    if abs(size - pool_bytes) >= mmap.PAGESIZE:  # (rounded up to a page) the segment outlived an earlier start
+        pool_reason = "the pool of that name kept from an earlier start; `superfluid pool rm` it to size it anew"
+    budget = (f"pool: {size / 2**20:,.0f} MiB ({pool_reason}), up to "
+              f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB of KV kept beyond the cells ({kv['pool_tokens']:,} tokens), "
+              f"{host.pool.header.budget_reason}; --pool-bytes and --export-budget set it")
     return [cells, session, budget]
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kvpool import segment
+from superfluid.cli import serve as serve_cli
 from superfluid.cli.serve import size
 from tests.conftest import remove_segment, unique_pool_name
 from tests.superfluid.served import ROOT, Served
@@ -135,3 +136,18 @@ def test_each_log_line_is_headed_by_who_said_it():
     assert loaded == "llama.cpp: llama_model_load: error loading model"
     assert line("superfluid.cli.serve", "serving at most 10 connections") == "superfluid: serving at most 10 connections"
     assert line("llama.cpp.other", "x") == "superfluid: x"  # only llama.cpp's own logger
+
+
+def test_without_pool_bytes_the_pool_is_an_eighth_of_the_memory_beside_the_weights_within_bounds(tmp_path, monkeypatch):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"\0" * 1024)
+    monkeypatch.setattr(serve_cli, "shared_memory_free", lambda: 64 << 30)
+    for available, expected in ((20 << 30, 2560 << 20), (2 << 30, 512 << 20), (100 << 30, 4 << 30)):
+        monkeypatch.setattr(serve_cli, "host_memory_available", lambda available=available: available + 1024)
+        chosen, reason = serve_cli.pool_size(weights, None)
+        assert chosen == expected and reason.startswith("an eighth of the ")
+    assert serve_cli.pool_size(weights, 3 << 20) == (3 << 20, "set by --pool-bytes")
+    # a container's small /dev/shm: half of what it has free (never below the library's 512 MiB)
+    monkeypatch.setattr(serve_cli, "host_memory_available", lambda: 40 << 30)
+    monkeypatch.setattr(serve_cli, "shared_memory_free", lambda: 2 << 30)
+    assert serve_cli.pool_size(weights, None) == (1 << 30, "half of the 2.0 GiB free in /dev/shm")

@@ -46,7 +46,7 @@ def test_the_start_says_what_was_sized_and_why_and_warns_of_nothing_that_does_no
     assert session == "one session holds up to 2,048 tokens: the model's trained context; the other cells are for " \
                       "other sessions"
     # the fixture's pool is 64 MiB, less than every other bound on a test machine
-    assert pool.startswith("pool: up to 64 MiB of KV kept beyond the cells (") \
+    assert pool.startswith("pool: 64 MiB (set by --pool-bytes), up to 64 MiB of KV kept beyond the cells (") \
         and "bounded by the pool's capacity (64.0 MiB); --pool-bytes and --export-budget set it" in pool
     assert "training context overflow" not in served.stderr()
 
