@@ -6,8 +6,8 @@ slots), each driven with the openai client in its own child process, one after t
    `sessions` others have each run a long turn and gone idle (ours: session routes, so the
    sessions live on; theirs: completions). Ours parks idle KV out of the engine: goal >= 0.9.
 2. agents and a chat: a one-line chat's time to first token on the idle server, and while
-   `agents` requests with long prompts are being served (ours: the chat asks for priority
-   "interactive"; llama-cpp-python's serves one request at a time, llama-server one per slot).
+   `agents` requests with long prompts are being served, sent as OpenAI clients send it (no
+   priority field; llama-cpp-python's serves one request at a time, llama-server one per slot).
    Goal: at most 2x idle, read as idle / loaded >= 0.5; and ahead of the others. How many agents
    finished is noted.
 3. clients at once: `clients` streamed chats with long prompts sent together; how many were
@@ -83,11 +83,10 @@ def go_idle(served: servers.Served, count: int, tokens: int) -> None:
 
 
 def first_token(served: servers.Served, system: str, question: str) -> float:
-    """Seconds until the first text of a streamed one-line chat."""
-    extra = {"priority": "interactive"} if served.label == servers.OURS else {}
+    """Seconds until the first text of a streamed one-line chat (no priority field: a plain
+    OpenAI client's request)."""
     return servers.first_text_seconds(served.client, served.model, [{"role": "system", "content": system},
-                                                                    {"role": "user", "content": question}], 8,
-                                      extra_body=extra)
+                                                                    {"role": "user", "content": question}], 8)
 
 
 def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:

@@ -200,13 +200,15 @@ class Scheduler:
                 answers.append((future, command(*args), None))
             except Exception as exc:  # handed back to the caller's thread
                 answers.append((future, None, exc))
-        if answers:
-            self._announce(force=True)
-        for future, result, error in answers:
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
+        try:
+            if answers:
+                self._announce(force=True)
+        finally:  # the callers are answered even if publishing failed (the loop then fails everything)
+            for future, result, error in answers:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
 
     def stop(self) -> None:
         """Ask the thread to end after the current command (run it as a command)."""
@@ -383,6 +385,7 @@ class Scheduler:
             take = min(budget, live.pending)
             if live.pending - take < MIN_PREFILL_CHUNK:  # no runt tail: a step for a few tokens costs a whole one
                 take = min(live.pending, limit)
+            take = min(take, self._to_checkpoint(live))
             chunk = live.state.tokens[live.kv:live.kv + take]
             budget -= len(chunk)
             limit -= len(chunk)
@@ -455,6 +458,16 @@ class Scheduler:
                 # cannot be cut back, the checkpoint a trim or a regenerated reply restores
                 self.kv.park(live, keep_lane=True)
             self._emit(live, logits[-1])
+
+    def _to_checkpoint(self, live: Live) -> int:
+        """Where the memory cannot be cut back, the tokens up to `live`'s next checkpoint (a
+        chunk ends there, so checkpoints fall every `checkpoint_tokens` whatever size the plan
+        gives chunks, and a trim restores one at most that far back); else no limit."""
+        if self.kv.memory.kind == "kv":
+            return live.pending
+        parked = live.state.parked[1] if live.state.parked is not None else 0
+        due = parked + self.policy.checkpoint_tokens - live.kv
+        return due if due >= MIN_PREFILL_CHUNK else live.pending
 
     def _needs_checkpoint(self, live: Live) -> bool:
         """True where the memory cannot be cut back and `checkpoint_tokens` were prefilled since

@@ -17,6 +17,7 @@ from engines import models
 from superfluid import Host
 from superfluid.host.churn import Churn
 from tests.conftest import remove_segment, unique_pool_name
+from tests.superfluid.conftest import FIXED_CHUNKS
 
 pytestmark = pytest.mark.real_model
 
@@ -43,6 +44,7 @@ def open_host(gemma, runtime, tmp_path):
     same `name`, it reopens that pool and log (a restart)."""
     opened, names = [], {}
     options = {"llamacpp_n_ctx": 4096, "llamacpp_threads": 2} if runtime == "llamacpp" else {}
+    options.update(FIXED_CHUNKS)  # outputs are compared across runs: chunks cut alike in each
 
     def make(name: str = "main", churn: Churn | None = None):
         pool = names.setdefault(name, unique_pool_name())

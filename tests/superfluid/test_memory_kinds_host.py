@@ -18,6 +18,7 @@ from superfluid import Host
 from superfluid.host.churn import Churn
 from tests import memorykinds, tinymodels
 from tests.conftest import remove_segment, unique_pool_name
+from tests.superfluid.conftest import FIXED_CHUNKS
 
 KINDS = ("kv", "iswa", "recurrent", "hybrid", "hybrid-iswa")
 MLX_KINDS = ("kv", "iswa", "recurrent", "hybrid")  # mlx-lm has no windowed LFM2
@@ -62,7 +63,7 @@ def open_host(models, case, mode, tmp_path):
         model = models[kind][0] if runtime == "llamacpp" else models[kind][1]
         options = {"llamacpp_n_ctx": 512, "llamacpp_threads": 1} if runtime == "llamacpp" else {}
         host = Host(model, runtime=runtime, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / name,
-                    prefill_budget=32, checkpoint_tokens=16, churn=churn, **options)
+                    prefill_budget=32, checkpoint_tokens=16, churn=churn, **FIXED_CHUNKS, **options)
         opened.append(host)
         return host
 
