@@ -173,7 +173,7 @@ class Host:
         about 0.1 s old while the engine is busy, and current after every command and every ended
         generation (published before the caller or the generation's reader hears of it). What a
         server's /health and /metrics read (HostClosed once the scheduler has stopped)."""
-        published = self._scheduler.published
+        published = self._scheduler.publisher.latest
         if published is None or not self.alive():
             raise HostClosed("the host is closed" + (f" (its scheduler failed: {self._scheduler.error})"
                                                      if self._scheduler.error else ""))

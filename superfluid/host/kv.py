@@ -414,21 +414,20 @@ class KVManager:
                            f"the cap of {cap} ({self.max_pinned_fraction:.0%} of the pool's budget); unpin other "
                            "sessions or raise max_pinned_fraction")
         self.pool.pin(live.entry)
-        live.pinned, live.pin = True, live.entry
+        live.pin = live.entry
         return size
 
     def unpin(self, live: Live) -> None:
         """Let `live`'s parked KV be evicted again under pressure."""
         if live.pinned:
             self._unpin_entry(live.pin)
-            live.pinned, live.pin = False, None
+            live.pin = None
 
-    def _unpin_entry(self, entry: int | None) -> None:
-        if entry is not None:
-            try:
-                self.pool.unpin(entry)
-            except PoolError:
-                pass  # already gone
+    def _unpin_entry(self, entry: int) -> None:
+        try:
+            self.pool.unpin(entry)
+        except PoolError:
+            pass  # already gone
 
     def problems(self, sessions: Iterable[Live]) -> list[str]:
         """What is wrong with the bookkeeping of `sessions` (every session the host has), if

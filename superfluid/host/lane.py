@@ -72,8 +72,7 @@ class Live:
     last_used: int = 0  # the clock of the last thing it did (least recently used is parked first)
     idle_since: float = 0.0  # when its last generation ended (for idle parking)
     since_park: int = 0  # tokens committed since the last export
-    pinned: bool = False  # its parked KV is pinned in the pool (the pin moves with each new park)
-    pin: int | None = None  # the pool entry the KV manager pinned for it (it moves to each newly parked entry)
+    pin: int | None = None  # the pool entry pinned for it, if pinned (the pin moves to each newly parked entry)
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
     own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
 
@@ -83,6 +82,11 @@ class Live:
         since: the KV manager asks the pool before reading it)."""
         parked = self.state.parked
         return None if parked is None else parked[0]
+
+    @property
+    def pinned(self) -> bool:
+        """True while its parked KV is pinned in the pool."""
+        return self.pin is not None
 
     @property
     def pending(self) -> int:

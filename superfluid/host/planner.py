@@ -25,7 +25,16 @@ measured, and never jump past what was seen.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engines.base import Descriptor, StepRequest
+from superfluid.host.request import Priority
+
+if TYPE_CHECKING:
+    from superfluid.host.lane import Live
+    from superfluid.host.scheduler import Policy
 
 # The fewest prompt tokens a step carries for prefill, whatever the targets: prompts always
 # advance, and a chunk that would leave fewer than this behind takes them too (a step for a few
@@ -121,3 +130,57 @@ def prefill_budget(costs: StepCosts, limit: int, seconds: float | None, decode_t
     if fits is None:
         return limit
     return max(MIN_PREFILL_CHUNK, min(limit, fits - decode_tokens))
+
+
+class Planner:
+    """Plans each step of one engine: its decode tokens and prefill chunks, from the measured
+    step costs (`costs`, fed by the scheduler after every step) and the policy's targets."""
+
+    def __init__(self, policy: Policy, descriptor: Descriptor, memory_cuts_back: bool,
+                 urgency: Callable[[Live, int], tuple]) -> None:
+        self.policy, self.descriptor, self.urgency = policy, descriptor, urgency
+        self.memory_cuts_back = memory_cuts_back  # False: checkpoints within prompts (sliding window, recurrent)
+        self.costs = StepCosts()
+
+    def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
+        """This step's requests for the running `lanes` within `room` free cells: (decode,
+        prefill) lists of (lane, StepRequest), prefill most urgent first. While an interactive
+        lane runs, other classes' prefill waits."""
+        decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
+                  if live.pending == 1]
+        interactive = any(live.job.priority == Priority.INTERACTIVE for live in lanes)
+        # what one step can carry (the engine's batch, the free cells), and what its time allows
+        limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
+        budget, prefill = min(self.prefill_tokens(len(decode)), limit), []
+        for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
+            if budget <= 0:
+                break
+            if interactive and live.job.priority != Priority.INTERACTIVE:
+                continue  # an interactive lane's steps carry no other class's prefill
+            take = min(budget, live.pending)
+            if live.pending - take < MIN_PREFILL_CHUNK:  # no runt tail: a step for a few tokens costs a whole one
+                take = min(live.pending, limit)
+            take = min(take, self._to_checkpoint(live))
+            chunk = live.state.tokens[live.kv:live.kv + take]
+            budget -= len(chunk)
+            limit -= len(chunk)
+            prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
+        return decode, prefill
+
+    def prefill_tokens(self, decoding: int) -> int:
+        """Prompt tokens for a step beside `decoding` decode tokens: what the measured step costs
+        fit within the first-token target, and the decode-step target while a lane decodes
+        (within the prefill budget)."""
+        policy = self.policy
+        seconds = step_seconds(policy.first_token_target, policy.decode_step_target, decoding > 0)
+        return prefill_budget(self.costs, policy.prefill_budget, seconds, decoding)
+
+    def _to_checkpoint(self, live: Live) -> int:
+        """Where the memory cannot be cut back, the tokens up to `live`'s next checkpoint (a
+        chunk ends there, so checkpoints fall every `checkpoint_tokens` whatever size the plan
+        gives chunks, and a trim restores one at most that far back); else no limit."""
+        if self.memory_cuts_back:
+            return live.pending
+        parked = live.state.parked[1] if live.state.parked is not None else 0
+        due = parked + self.policy.checkpoint_tokens - live.kv
+        return due if due >= MIN_PREFILL_CHUNK else live.pending

@@ -31,25 +31,20 @@ from dataclasses import dataclass
 from time import perf_counter  # a step's duration (the tests time their fake engine's steps here)
 from typing import Any, TypeVar
 
-from engines.base import StepRequest
 from engines.errors import EngineError, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
-from superfluid.host.kv import INTERACTIVE, KVManager, common_prefix
+from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
-from superfluid.host.planner import MIN_PREFILL_CHUNK, StepCosts, prefill_budget, step_seconds
+from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
 from superfluid.host.session import Piece
 from superfluid.host.sessions import Sessions
-from superfluid.host.stats import Counters, HostStats
+from superfluid.host.stats import Counters, HostStats, Publisher
 
 IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
-# How old the published statistics may grow while the engine is busy (/health, /metrics and a
-# router's /get_load read them without waiting for a tick). They are published again at once after
-# every batch of commands and every ended generation, before anyone is told of either.
-STATS_SECONDS = 0.1
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
@@ -87,16 +82,14 @@ class Scheduler:
         # these and the lanes, never at every session (most are idle)
         self.active: dict[Live, None] = {}
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
-        self.costs = StepCosts()  # measured seconds of steps by the tokens they carried
+        self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self._commands: queue.Queue = queue.Queue()
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self._stopping = False
         self.error: BaseException | None = None
         self._ready = threading.Event()
-        self._ended: list = []  # generations ended this round, told after the statistics are published
-        self.published: HostStats | None = None  # the statistics as of the last publication
-        self._published_at = 0.0
+        self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
         self.thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
     def next_order(self) -> int:
@@ -129,6 +122,7 @@ class Scheduler:
                             max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
         self.sessions.kv = self.kv
         self.kv.urgency = self.urgency
+        self.planner = Planner(policy, self.descriptor, self.kv.memory.kind == "kv", self.urgency)
 
     def _run(self) -> None:
         try:
@@ -140,8 +134,8 @@ class Scheduler:
         self._ready.set()
         try:
             while not self._stopping:
-                self._drain(block=not self._active())
-                if self._active():
+                self._drain(block=not self.active)
+                if self.active:
                     self.tick()
                 elif not self._stopping:
                     self.kv.park_idle(self.clock(), generating=False)
@@ -154,7 +148,7 @@ class Scheduler:
             self.error = exc
             self._fail_all(exc)
         finally:
-            self._tell_ended()
+            self.publisher.tell_ended()
             self._drain(block=False, refuse=True)
             self.engine.close()  # idempotent; after a clean close this does nothing
             self.engine.release_thread()  # this thread ends: what the runtime keeps for it goes too
@@ -214,9 +208,6 @@ class Scheduler:
         """Ask the thread to end after the current command (run it as a command)."""
         self._stopping = True
 
-    def _active(self) -> bool:
-        return bool(self.active)
-
     def _fail_all(self, exc: BaseException) -> None:
         for live in list(self.active):
             live.job.generation._finish("error", exc)
@@ -239,19 +230,9 @@ class Scheduler:
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes)
 
     def _announce(self, force: bool = False) -> None:
-        """Publish the statistics (when `force`, when a generation ended, or STATS_SECONDS after
-        the last time), then tell the generations that ended."""
-        now = perf_counter()
-        if self._stopping:  # closed: the pool and the engine are gone, and nobody reads them again
-            pass
-        elif force or self._ended or now - self._published_at >= STATS_SECONDS:
-            self.published, self._published_at = self.stats(), now
-        self._tell_ended()
-
-    def _tell_ended(self) -> None:
-        ended, self._ended = self._ended, []
-        for generation, reason, error in ended:
-            generation._finish(reason, error)
+        """Publish the statistics where due, then tell the generations that ended (after close
+        the pool and the engine are gone: nothing to publish)."""
+        self.publisher.announce(force=force, publish=not self._stopping)
 
     # ----------------------------------------------------------------------------- generations
 
@@ -368,37 +349,8 @@ class Scheduler:
     def _plan(self) -> tuple[list, list]:
         """This tick's step requests: (decode, prefill) lists of (lane, StepRequest)."""
         lanes = [live for live in self.kv.lanes if live.job is not None]
-        room = self._room_for_step(lanes)
-        lanes = [live for live in lanes if live.seq is not None and live.job is not None]
-        decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
-                  if live.pending == 1]
-        interactive = any(live.job.priority == INTERACTIVE for live in lanes)
-        # what one step can carry (the engine's batch, the free cells), and what its time allows
-        limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
-        budget = self.prefill_tokens(len(decode))
-        budget, prefill = min(budget, limit), []
-        for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
-            if budget <= 0:
-                break
-            if interactive and live.job.priority != INTERACTIVE:
-                continue  # an interactive lane's steps carry no other class's prefill
-            take = min(budget, live.pending)
-            if live.pending - take < MIN_PREFILL_CHUNK:  # no runt tail: a step for a few tokens costs a whole one
-                take = min(live.pending, limit)
-            take = min(take, self._to_checkpoint(live))
-            chunk = live.state.tokens[live.kv:live.kv + take]
-            budget -= len(chunk)
-            limit -= len(chunk)
-            prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
-        return decode, prefill
-
-    def prefill_tokens(self, decoding: int) -> int:
-        """Prompt tokens for this step beside `decoding` decode tokens: what the measured step
-        costs fit within the first-token target, and the decode-step target while a lane decodes
-        (within the prefill budget; see superfluid/host/planner.py)."""
-        policy = self.policy
-        seconds = step_seconds(policy.first_token_target, policy.decode_step_target, decoding > 0)
-        return prefill_budget(self.costs, policy.prefill_budget, seconds, decoding)
+        room = self._room_for_step(lanes)  # may park or preempt: the running lanes are those after it
+        return self.planner.plan([live for live in lanes if live.seq is not None and live.job is not None], room)
 
     def _room_for_step(self, lanes: list[Live]) -> int:
         """Free cells for this step: at least one per decoding lane (and one for prefill when none
@@ -459,16 +411,6 @@ class Scheduler:
                 self.kv.park(live, keep_lane=True)
             self._emit(live, logits[-1])
 
-    def _to_checkpoint(self, live: Live) -> int:
-        """Where the memory cannot be cut back, the tokens up to `live`'s next checkpoint (a
-        chunk ends there, so checkpoints fall every `checkpoint_tokens` whatever size the plan
-        gives chunks, and a trim restores one at most that far back); else no limit."""
-        if self.kv.memory.kind == "kv":
-            return live.pending
-        parked = live.state.parked[1] if live.state.parked is not None else 0
-        due = parked + self.policy.checkpoint_tokens - live.kv
-        return due if due >= MIN_PREFILL_CHUNK else live.pending
-
     def _needs_checkpoint(self, live: Live) -> bool:
         """True where the memory cannot be cut back and `checkpoint_tokens` were prefilled since
         the session's last parked state: a session diverging inside this prompt restores the
@@ -480,7 +422,7 @@ class Scheduler:
 
     def _measure(self, requests: list, seconds: float) -> None:
         """Fold a step's time into the measured step costs, by the tokens it carried."""
-        self.costs.observe(sum(len(request.tokens) for _, request in requests), seconds)
+        self.planner.costs.observe(sum(len(request.tokens) for _, request in requests), seconds)
 
     def _no_room(self, stepped: list[Live]) -> None:
         """The engine found no room for a step its cells seemed to allow (a fragmented cache):
@@ -549,7 +491,7 @@ class Scheduler:
             except Exception as exc:  # a template that cannot close the turn: the tokens are kept
                 error = error or exc
         job.generation.finish_reason = reason
-        self._ended.append((job.generation, reason, error))  # told once the statistics show it (_announce)
+        self.publisher.ended(job.generation, reason, error)  # told once the statistics show it
         if not live.durable:  # a request lane ends with its generation: its KV parked for its prefix
             self.kv.park(live, keep_lane=False)
             self.kv.drop(live)

@@ -64,13 +64,6 @@ class Sessions:
             raise SessionNotFound(f"no session {session_id!r} (see Host.sessions())")
         return live
 
-    def request(self, request_id: str) -> Live:
-        """The request lane of that id (SessionNotFound once it has ended)."""
-        live = self.requests.get(request_id)
-        if live is None:
-            raise SessionNotFound(f"no request {request_id!r} (it has ended)")
-        return live
-
     def __iter__(self) -> Iterator[Live]:
         """Every session and request lane."""
         return itertools.chain(self.durable.values(), self.requests.values())

@@ -1,10 +1,19 @@
-"""The host's statistics: what it prefilled, what it took from cache, what it copied."""
+"""The host's statistics: what it prefilled, what it took from cache, what it copied; and their
+publication, for readers that must not wait for the scheduler thread."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
 
 import msgspec
+
+# How old the published statistics may grow while the engine is busy (/health, /metrics and a
+# router's /get_load read them without waiting for a step). They are published again at once
+# after every batch of commands and every ended generation, before anyone is told of either.
+STATS_SECONDS = 0.1
 
 
 @dataclass
@@ -54,3 +63,33 @@ class HostStats(msgspec.Struct, frozen=True):
     cells_reserved: int = 0  # cells admitted generations may still write
     cell_price: int = 0  # bytes of KV per cell
     pool_budget_bytes: int = 0  # the pool's export budget
+
+
+class Publisher:
+    """The statistics a scheduler publishes, and the ends of its generations, told only once the
+    published statistics show them: a client that reads /metrics after its reply ended, or a
+    caller that reads them after its command returned, sees what it did."""
+
+    def __init__(self, measure: Callable[[], HostStats]) -> None:
+        self._measure = measure  # the statistics now (on the scheduler thread)
+        self.latest: HostStats | None = None  # as of the last publication (any thread reads it)
+        self._at = 0.0
+        self._ended: list[tuple[Any, str, BaseException | None]] = []
+
+    def ended(self, generation: Any, reason: str, error: BaseException | None) -> None:
+        """A generation ended: its reader is told at the next announcement."""
+        self._ended.append((generation, reason, error))
+
+    def announce(self, *, force: bool = False, publish: bool = True) -> None:
+        """Publish the statistics (if `publish`: when `force`, when a generation ended, or
+        STATS_SECONDS after the last time), then tell the generations that ended."""
+        now = perf_counter()
+        if publish and (force or self._ended or now - self._at >= STATS_SECONDS):
+            self.latest, self._at = self._measure(), now
+        self.tell_ended()
+
+    def tell_ended(self) -> None:
+        """Tell the generations that ended, without publishing (the host is closing or failed)."""
+        ended, self._ended = self._ended, []
+        for generation, reason, error in ended:
+            generation._finish(reason, error)
