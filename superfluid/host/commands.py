@@ -56,7 +56,7 @@ class Commands:
         """A new session; its id."""
         live = self.sessions.open(session_id, settings, priority)
         if system is not None:
-            self.sessions.append_message(live, "system", system)
+            self.sessions.append_messages(live, [("system", system)])
         return live.state.id
 
     def close(self) -> None:
@@ -78,13 +78,20 @@ class Commands:
 
     # ----------------------------------------------------------------------------- appending
 
-    def append_message(self, session_id: str, role: str, content: str) -> None:
-        """A chat message, rendered by the model's template."""
-        self.sessions.append_message(self._live(session_id, idle=True), role, content)
-
     def append_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
-        """Chat messages (role, content) in turn; a long list rendered once (Sessions.append_messages)."""
+        """Chat messages (role, content) in turn, rendered here; a long list at once
+        (Host.append_messages renders them on the caller's thread instead)."""
         self.sessions.append_messages(self._live(session_id, idle=True), messages)
+
+    def chat_view(self, session_id: str) -> tuple[int, tuple[dict, ...]]:
+        """(version, messages) of an idle session, to render appended messages against."""
+        return self.sessions.chat_view(self._live(session_id, idle=True))
+
+    def append_rendered(self, session_id: str, version: int, messages: list[tuple[str, str]],
+                        pieces: list[list[int]]) -> bool:
+        """Messages rendered by the caller against `chat_view`'s version; False if the session
+        changed since (nothing is appended: render again)."""
+        return self.sessions.append_rendered(self._live(session_id, idle=True), version, messages, pieces)
 
     def append_tokens(self, session_id: str, tokens: list[int]) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,7 +30,8 @@ from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.errors import HostClosed
 from superfluid.host.log import SessionLog
-from superfluid.host.prompts import PreparedPrompt, PromptBuilder
+from superfluid.host.chat import TemplateRewrites
+from superfluid.host.prompts import PreparedPrompt, PromptBuilder, appended_pieces
 from superfluid.host.request import Priority, Prompt
 from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
@@ -38,6 +39,9 @@ from superfluid.host.stats import Counters, HostStats
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
+# Renders of appended messages against a session that changed before they were committed; then
+# the scheduler thread renders them (a session appended to from several threads at once).
+OPTIMISTIC_TRIES = 3
 T = TypeVar("T")
 
 
@@ -138,6 +142,26 @@ class Host:
         if self._tokenizes_anywhere:
             return self.prompts.build(prompt)
         return self.call(self.prompts.build, prompt)
+
+    def append_messages(self, session_id: str, messages: Sequence[tuple[str, str]]) -> None:
+        """Chat messages (role, content) appended to an idle session in turn, rendered and
+        tokenized on the calling thread, so a long conversation or a long message costs its
+        caller, not the scheduler thread: the session's messages are read, the new ones rendered
+        against them, and the tokens committed only if the session did not change meanwhile
+        (else rendered again). A template that rewrites earlier turns, or an adapter without a
+        tokenizer for any thread, renders them on the scheduler thread instead."""
+        messages = list(messages)
+        if self._tokenizes_anywhere:
+            added = [{"role": role, "content": content} for role, content in messages]
+            for _ in range(OPTIMISTIC_TRIES):
+                version, before = self.call(self.commands.chat_view, session_id)
+                try:
+                    pieces = appended_pieces(self.prompts.template, self.prompts.tokenize, before, added)
+                except TemplateRewrites:
+                    break
+                if self.call(self.commands.append_rendered, session_id, version, messages, pieces):
+                    return
+        self.call(self.commands.append_messages, session_id, messages)
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
                 **sampling: Any) -> Session:

@@ -69,6 +69,7 @@ class Live:
     kv: int = 0  # state.tokens[:kv] are in the engine sequence
     held: int | None = None  # a pool entry this lane holds a reference to while it is swapped out
     job: Job | None = None
+    version: int = 0  # changes with its tokens or messages (appends rendered elsewhere check it)
     last_used: int = 0  # the clock of the last thing it did (least recently used is parked first)
     idle_since: float = 0.0  # when its last generation ended (for idle parking)
     since_park: int = 0  # tokens committed since the last export

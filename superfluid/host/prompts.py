@@ -10,12 +10,13 @@ touches the engine's context.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.conversation_cache import ConversationCache
+from superfluid.host.conversation_cache import SEPARATE_RENDERS, ConversationCache
 from superfluid.host.request import Prompt
 
 
@@ -37,9 +38,10 @@ class PromptBuilder:
         """`descriptor`: the engine's (chat template, BOS); `tokenizer`: `Engine.tokenizer()`."""
         self.descriptor, self.tokenizer = descriptor, tokenizer
         self.template = chat_template(descriptor, tokenizer)
-        self.conversations = ConversationCache(self.template, self._tokenize)
+        self.conversations = ConversationCache(self.template, self.tokenize)
 
-    def _tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
+        """`text`'s tokens, special tokens parsed (any thread)."""
         return self.tokenizer.tokenize(text, special=True)
 
     def build(self, prompt: Prompt) -> PreparedPrompt:
@@ -55,18 +57,35 @@ class PromptBuilder:
                     tokens += piece
                     ends.append(len(tokens))
             except TemplateRewrites:  # a template that rewrites earlier turns: the whole, rendered once
-                tokens = self._tokenize(self.template.render(messages))
+                tokens = self.tokenize(self.template.render(messages))
                 ends = [len(tokens)] * len(messages)
-            opening = self._tokenize(self.template.opening(messages))
+            opening = self.tokenize(self.template.opening(messages))
         else:
             tokens, messages, ends, opening = [], [], [], []
         if prompt.text is not None:
-            text = self._tokenize(prompt.text)
+            text = self.tokenize(prompt.text)
             bos = self.descriptor.bos_token
             if bos is not None and not tokens and text[:1] != [bos]:
                 text = [bos, *text]
             tokens += text
         return PreparedPrompt(tokens, messages, ends, opening)
+
+
+def appended_pieces(template: ChatTemplate, tokenize: Callable[[str], list[int]], before: Sequence[dict],
+                    added: Sequence[dict]) -> list[list[int]]:
+    """The tokens that messages `added` add after a conversation of `before`: one piece per
+    message (each ends where its piece does), or past SEPARATE_RENDERS of them one piece for all
+    (rendered once: one at a time costs the square of their number; each then ends where they all
+    end). TemplateRewrites where the template renders earlier turns otherwise once these follow.
+    Pure: any thread may call it (on the caller's side for a session, Host.append_messages)."""
+    if len(added) > SEPARATE_RENDERS:
+        text, _ = template.extend(template.render(before) if before else "", [*before, *added])
+        return [tokenize(text)]
+    pieces, messages = [], list(before)
+    for message in added:
+        pieces.append(tokenize(template.turn(messages, message)))
+        messages.append(message)
+    return pieces
 
 
 def chat_template(descriptor: Any, tokenizer: Any) -> ChatTemplate:

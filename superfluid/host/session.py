@@ -170,8 +170,9 @@ class Session:
         return f"Session({self.id!r})"
 
     def append_message(self, role: str, text: str) -> None:
-        """Add a chat message of `role` (system, user or assistant), rendered by the chat template."""
-        self._host.call(self._host.commands.append_message, self.id, role, text)
+        """Add a chat message of `role` (system, user or assistant), rendered by the chat template
+        (on the calling thread: Host.append_messages)."""
+        self._host.append_messages(self.id, [(role, text)])
 
     def append_user(self, text: str) -> None:
         """Add a user message, rendered by the model's chat template."""

@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log as session_log
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.conversation_cache import SEPARATE_RENDERS
 from superfluid.host.errors import SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
-from superfluid.host.prompts import PreparedPrompt, chat_template
+from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
 from superfluid.host.sampling import Sampling
 from superfluid.host.session import SessionInfo
 
@@ -73,6 +72,8 @@ class Sessions:
     def record(self, live: Live, *records: Record) -> None:
         """Apply `records` to `live`'s state: for a session written to the log first (one write:
         all or nothing), for a request lane in memory only."""
+        if any(not isinstance(record, Parked) for record in records):
+            live.version += 1  # its tokens or messages change (a park moves only its KV)
         if live.durable:
             was_parked = live.state.parked is not None
             self.log.append(*records)
@@ -176,37 +177,43 @@ class Sessions:
             self._chat = chat_template(self.descriptor, self.engine)
         return self._chat
 
-    def append_message(self, live: Live, role: str, content: str) -> None:
-        """A chat message, rendered by the model's template."""
-        message = {"role": role, "content": content}
-        try:
-            text = self.template().turn(live.state.messages, message)
-        except TemplateRewrites:
-            self._rerender(live, message)
-            return
-        tokens = self.engine.tokenize(text, special=True)
-        self.commit(live, tokens, Turn(live.state.id, role, content, len(live.state.tokens) + len(tokens)))
+    def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...]]:
+        """What appending messages renders against: (`live`'s version, its messages). A caller
+        renders on its own thread and hands the tokens to `append_rendered` with that version."""
+        return live.version, tuple(live.state.messages)
 
     def append_messages(self, live: Live, messages: Sequence[tuple[str, str]]) -> None:
-        """Chat messages (role, content) in turn, as `append_message` adds them one at a time; past
-        SEPARATE_RENDERS of them the conversation is rendered once with them all, in one record,
-        and each ends where they all end (rendering one at a time costs the square of their
-        number: 20,000 took minutes)."""
-        if len(messages) <= SEPARATE_RENDERS:
-            for role, content in messages:
-                self.append_message(live, role, content)
-            return
-        state, added = live.state, [{"role": role, "content": content} for role, content in messages]
-        template = self.template()
+        """Chat messages (role, content) in turn, rendered here (`appended_pieces`: a long list
+        at once), in one record."""
+        added = [{"role": role, "content": content} for role, content in messages]
         try:
-            text, _ = template.extend(template.render(state.messages) if state.messages else "",
-                                      [*state.messages, *added])
+            pieces = appended_pieces(self.template(), self._tokenize, live.state.messages, added)
         except TemplateRewrites:
             self._rerender(live, *added)
             return
-        tokens = self.engine.tokenize(text, special=True)
-        end = len(state.tokens) + len(tokens)
-        self.commit(live, tokens, *(Turn(state.id, m["role"], m["content"], end) for m in added))
+        self._commit_messages(live, added, pieces)
+
+    def append_rendered(self, live: Live, version: int, messages: Sequence[tuple[str, str]],
+                        pieces: list[list[int]]) -> bool:
+        """Messages rendered by the caller against `chat_view`'s `version`: committed if `live`
+        has not changed since (True), else nothing (False: render again)."""
+        if live.version != version:
+            return False
+        self._commit_messages(live, [{"role": role, "content": content} for role, content in messages], pieces)
+        return True
+
+    def _commit_messages(self, live: Live, added: list[dict], pieces: list[list[int]]) -> None:
+        """Commit `pieces` (one per message of `added`, or one for them all) with their Turns."""
+        state, tokens, ends = live.state, [], []
+        for piece in pieces:
+            tokens += piece
+            ends.append(len(state.tokens) + len(tokens))
+        if len(pieces) != len(added):  # rendered at once: each ends where they all end
+            ends = [ends[-1]] * len(added)
+        self.commit(live, tokens, *(Turn(state.id, m["role"], m["content"], end) for m, end in zip(added, ends)))
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text, special=True)
 
     def _rerender(self, live: Live, *added: dict) -> None:
         """Add the messages `added` under a template that rewrites earlier turns: the whole

@@ -327,9 +327,14 @@ class App:
         request = await self._decoded(exchange, api.SessionCreate)
         settings = sampler.Sampling(**api.sampling_of(request))
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
-        info = await self.call(_open_session, self.host.commands, worker.new_session_id(self.worker_name),
-                               request.system, settings, request.priority, messages)
-        await self._session_json(exchange, 201, info)
+        session_id = await self.call(self.host.commands.create, worker.new_session_id(self.worker_name),
+                                     request.system, settings, request.priority)
+        try:
+            await self._append(session_id, messages)
+        except BaseException:  # none of it if a message is refused
+            await self.call(self.host.commands.delete, session_id)
+            raise
+        await self._session_json(exchange, 201, await self.call(self.host.commands.info, session_id))
         return 201
 
     async def _session_list(self, exchange: Exchange, _: None) -> None:
@@ -344,8 +349,13 @@ class App:
     async def _session_messages(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionMessages)
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
-        info = await self.call(_append_messages, self.host.commands, session_id, messages)
-        await self._session_json(exchange, 200, info)
+        await self._append(session_id, messages)
+        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id))
+
+    async def _append(self, session_id: str, messages: list[tuple[str, str]]) -> None:
+        """Append `messages` to a session, rendered on a worker thread (Host.append_messages)."""
+        if messages:
+            await asyncio.to_thread(self.host.append_messages, session_id, messages)
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
@@ -367,22 +377,3 @@ class App:
 
 def _role(message: api.Message) -> str:
     return "system" if message.role == "developer" else message.role
-
-
-def _open_session(commands, session_id: str | None, system: str | None, settings: sampler.Sampling, priority: str,
-                  messages: list[tuple[str, str]]):
-    """On the scheduler thread: a new session (`session_id`, or a fresh one) with its messages
-    (none of it if one is refused)."""
-    session_id = commands.create(session_id, system, settings, priority)
-    try:
-        return _append_messages(commands, session_id, messages)
-    except BaseException:
-        commands.delete(session_id)
-        raise
-
-
-def _append_messages(commands, session_id: str, messages: list[tuple[str, str]]):
-    """On the scheduler thread: append `messages` to a session; its info after."""
-    commands.append_messages(session_id, messages)
-    return commands.info(session_id)
-
