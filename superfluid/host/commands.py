@@ -126,7 +126,7 @@ class Commands:
         self.kv.cut(live, len(tokens) - 1)  # the last token's logits are needed
         generation = Generation(live.state.id)
         generation._alive = self.scheduler.alive
-        now = self.scheduler.clock()
+        now = self.scheduler.arrived  # (the caller's wait for the step in flight counts)
         job = Job(generation, request, request.settings(live.state.sampling),
                   request.priority if request.priority is not None else Priority.named(live.state.priority),
                   TextStream(list(request.stop)), None if request.timeout is None else now + request.timeout,

@@ -142,17 +142,36 @@ class Planner:
         self.memory_cuts_back = memory_cuts_back  # False: checkpoints within prompts (sliding window, recurrent)
         self.costs = StepCosts()
 
-    def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
-        """This step's requests for the running `lanes` within `room` free cells: (decode,
-        prefill) lists of (lane, StepRequest), prefill most urgent first. While an interactive
-        lane runs, other classes' prefill waits."""
+    def plan(self, lanes: list[Live], room: int, now: float) -> tuple[list, list]:
+        """This step's requests for the running `lanes` within `room` free cells at time `now`
+        (the scheduler's clock): (decode, prefill) lists of (lane, StepRequest), prefill most
+        urgent first. While an interactive lane runs, other classes' prefill waits. A step that
+        ends a prompt whose first token is still owed (a request that waited for the step
+        before) carries no more than what leaves it its first-token target."""
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
-        interactive = any(live.job.priority == Priority.INTERACTIVE for live in lanes)
+        prefilling = sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending))
+        seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
+        prefill = self._chunks(prefilling, decode, room, seconds)
+        first = prefill[0][0] if prefill else None
+        target = self.policy.first_token_target
+        if (first is not None and target is not None and not first.job.produced
+                and len(prefill[0][1].tokens) == first.pending):
+            rest = target - (now - first.job.queued_at)
+            if seconds is None or rest < seconds:  # what it waited already comes off this step
+                prefill = self._chunks(prefilling, decode, room, max(rest, 0.0), floor=first.pending)
+        return decode, prefill
+
+    def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None,
+                floor: int = 0) -> list:
+        """Prefill chunks for `prefilling` lanes (most urgent first) beside `decode`, in a step
+        of at most `seconds` (but at least `floor` prompt tokens)."""
+        interactive = any(live.job.priority == Priority.INTERACTIVE for live in prefilling + [l for l, _ in decode])
         # what one step can carry (the engine's batch, the free cells), and what its time allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
-        budget, prefill = min(self.prefill_tokens(len(decode)), limit), []
-        for live in sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending)):
+        budget = prefill_budget(self.costs, self.policy.prefill_budget, seconds, len(decode))
+        budget, prefill = min(max(budget, floor), limit), []
+        for live in prefilling:
             if budget <= 0:
                 break
             if interactive and live.job.priority != Priority.INTERACTIVE:
@@ -165,15 +184,7 @@ class Planner:
             budget -= len(chunk)
             limit -= len(chunk)
             prefill.append((live, StepRequest(live.seq, chunk, "last" if len(chunk) == live.pending else "none")))
-        return decode, prefill
-
-    def prefill_tokens(self, decoding: int) -> int:
-        """Prompt tokens for a step beside `decoding` decode tokens: what the measured step costs
-        fit within the first-token target, and the decode-step target while a lane decodes
-        (within the prefill budget)."""
-        policy = self.policy
-        seconds = step_seconds(policy.first_token_target, policy.decode_step_target, decoding > 0)
-        return prefill_budget(self.costs, policy.prefill_budget, seconds, decoding)
+        return prefill
 
     def _to_checkpoint(self, live: Live) -> int:
         """Where the memory cannot be cut back, the tokens up to `live`'s next checkpoint (a

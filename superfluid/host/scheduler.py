@@ -84,6 +84,9 @@ class Scheduler:
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self._commands: queue.Queue = queue.Queue()
+        # when the command running now was submitted: a generation waits from there, the step in
+        # flight as it came included (its first-token target and timeout count from it)
+        self.arrived = clock()
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self._stopping = False
@@ -162,7 +165,7 @@ class Scheduler:
         if self.error is not None or self._stopping or not self.thread.is_alive():
             raise HostClosed("the host is closed" + (f" (its scheduler failed: {self.error})" if self.error else ""))
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((future, command, args))
+        self._commands.put((future, command, args, self.clock()))
         return future
 
     def call(self, command: Callable[..., T], *args: Any) -> T:
@@ -181,7 +184,8 @@ class Scheduler:
         answers = []
         while True:
             try:
-                future, command, args = self._commands.get(timeout=IDLE_WAIT) if block else self._commands.get_nowait()
+                future, command, args, self.arrived = (self._commands.get(timeout=IDLE_WAIT) if block
+                                                       else self._commands.get_nowait())
             except queue.Empty:
                 break
             block = False
@@ -350,7 +354,8 @@ class Scheduler:
         """This tick's step requests: (decode, prefill) lists of (lane, StepRequest)."""
         lanes = [live for live in self.kv.lanes if live.job is not None]
         room = self._room_for_step(lanes)  # may park or preempt: the running lanes are those after it
-        return self.planner.plan([live for live in lanes if live.seq is not None and live.job is not None], room)
+        running = [live for live in lanes if live.seq is not None and live.job is not None]
+        return self.planner.plan(running, room, self.clock())
 
     def _room_for_step(self, lanes: list[Live]) -> int:
         """Free cells for this step: at least one per decoding lane (and one for prefill when none

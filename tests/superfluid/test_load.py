@@ -277,6 +277,28 @@ def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_c
     assert all(engine.step_seconds[0] + engine.step_seconds[1] * (n + 1) <= 0.5 + 1e-9 for n in chunks[2:-1])
 
 
+def test_the_step_that_ends_a_waiting_prompt_leaves_it_the_rest_of_its_first_token_target(cell_host, monkeypatch,
+                                                                                          clock):
+    # 5 ms a token, a 1 s first-token target: a long prompt alone goes 200 tokens a step. A short
+    # one arrives during such a step and waits 0.8 s for it: its own step then lasts 0.2 s (its
+    # 10 tokens and 30 of the long one's), not a whole second.
+    steps = itertools.count()
+    gate = Gate(lambda requests: next(steps) == 2)  # the long prompt's third step, its costs measured
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=1.0, gate=gate)
+    on_simulated_time(monkeypatch, engine)
+    short = waiting_session(host, prompt(9, 10))
+    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=2)
+    gate.wait_reached()
+    queued = host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=2, ignore_eos=True))
+    clock.advance(0.8)  # what it waited for the step in flight
+    gate.open()
+    queued.result().collect()
+    long.collect()
+    carrying = next(step for step in engine.steps if any(n == 10 for _, n in step))
+    assert sorted(n for _, n in carrying) == [10, 30]
+    assert any(sum(n for _, n in step) == 200 for step in engine.steps[1:4])  # before it: whole-second steps
+
+
 def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05)
     on_simulated_time(monkeypatch, engine)
