@@ -56,7 +56,7 @@ class LoadSizes:
     client_tokens: int
 
 
-FULL = LoadSizes(sessions=6, session_tokens=2000, decode_tokens=128, agents=8, agent_tokens=1800, chats=5,
+FULL = LoadSizes(sessions=6, session_tokens=2000, decode_tokens=128, agents=8, agent_tokens=1800, chats=20,
                  clients=32, client_tokens=850)
 QUICK = LoadSizes(sessions=2, session_tokens=200, decode_tokens=16, agents=2, agent_tokens=200, chats=1, clients=4,
                   client_tokens=100)
