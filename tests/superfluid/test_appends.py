@@ -84,11 +84,15 @@ def test_a_session_that_keeps_changing_is_rendered_on_the_scheduler_thread(open_
 def test_a_template_that_rewrites_earlier_turns_renders_on_the_scheduler_thread(template_host):
     host = template_host(DROPS_PAST_REASONING)
     session = host.session()
-    for role, content in [("user", "Hello there"), ("assistant", "<think>long reasoning</think>Hi!"),
-                          ("user", "How are you?")]:
-        session.append_message(role, content)
-    messages = [{"role": m["role"], "content": m["content"]} for m in state_of(host, session).messages]
-    assert [m["content"] for m in messages][-1] == "How are you?" and len(messages) == 3
+    session.append_message("user", "Hello there")
+    session.append_message("assistant", "<think>long reasoning</think>Hi!")
+    before = scheduler_renders(host)
+    session.append_message("user", "How are you?")  # drops the reasoning above: rendered whole, on the thread
+    assert scheduler_renders(host) > before
+    state = state_of(host, session)
+    assert [m["content"] for m in state.messages][-1] == "How are you?" and len(state.messages) == 3
+    whole = host.call(lambda: host.commands.engine.tokenize(host.prompts.template.render(state.messages), special=True))
+    assert state.tokens == whole  # the session holds what the whole conversation renders
 
 
 def test_bad_appends_change_nothing(open_host):
