@@ -297,7 +297,8 @@ class LlamaCppEngine(Adapter):
         results: list[list[np.ndarray]] = [[] for _ in requests]
         for chunk_start in range(0, len(plan), self._n_batch):
             self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
-        return [np.stack(rows) if rows else None for rows in results]
+        # one row (a decode step, a prompt's last token): a view of its forward's block, not a copy
+        return [None if not rows else rows[0][np.newaxis] if len(rows) == 1 else np.stack(rows) for rows in results]
 
     def _decode(self, chunk: list[tuple], results: list[list[np.ndarray]]) -> None:
         n = len(chunk)
@@ -317,11 +318,18 @@ class LlamaCppEngine(Adapter):
                 raise NoRoom(f"llama.cpp found no room in its KV cache for {n} tokens (n_ctx {self._n_ctx}); "
                              "free or truncate sequences, or raise n_ctx")
             raise EngineError(f"llama_decode failed with status {status}")
+        # Every row this forward returns is copied into one block: llama.cpp overwrites its own at
+        # the next decode, and one allocation per forward (not one per row) keeps the per-token
+        # cost flat (fresh large arrays come from fresh pages).
+        block = np.empty((sum(wants), self._n_vocab), dtype=np.float32)
+        row_index = 0
         for slot in range(n):
             self._lengths[seqs[slot]] = positions[slot] + 1
             if wants[slot]:
                 row = self._api.llama_get_logits_ith(self._ctx, slot)
-                results[indices[slot]].append(np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy())
+                block[row_index] = np.ctypeslib.as_array(row, shape=(self._n_vocab,))
+                results[indices[slot]].append(block[row_index])
+                row_index += 1
 
     def _resync_lengths(self, seqs: set[int]) -> None:
         for seq in seqs:

@@ -1,11 +1,13 @@
 """The session log: a write-ahead log of every committed change to every session.
 
 Each record is a msgspec struct, msgpack-encoded and framed with its length and an xxh3-64
-checksum. Records are written (one `write`) before the change they describe is reported to
-anyone; syncing to disk is grouped by policy:
+checksum. Records are written before the change they describe is reported to anyone (a tick's
+records in one `write`: see `batch`); syncing to disk is grouped by policy:
 
-    tick     fsync once per scheduler tick in which something was written (the default)
-    commit   fsync after every record
+    tick     after each scheduler tick that wrote, an fsync on the log's own syncer thread, so the
+             next step does not wait for the disk (the default). A process crash loses nothing
+             written; a power cut may lose what the last fsync had not reached, milliseconds
+    commit   fsync after every write, before anyone hears of what it wrote
     never    leave it to the kernel (a process crash keeps what was written; a power cut may not)
 
 File layout:  b"SFLOG\\0" + version (u16 LE), then frames of  length (u32 LE) | xxh3-64 (u64 LE) | payload
@@ -18,11 +20,13 @@ sessions and superseded records go) into a new file renamed over the old one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Union
 
@@ -190,6 +194,9 @@ class SessionLog:
     def _open(self) -> None:
         self._lock = threading.Lock()
         self._dirty = False
+        self._batch: list[bytes] | None = None  # frames held for one write (see batch)
+        self._batch_thread: int | None = None
+        self._syncer: _Syncer | None = None
         self.states: dict[str, SessionState] = {}
         self.truncated_bytes = 0
         self.records_replayed = 0
@@ -249,7 +256,8 @@ class SessionLog:
                          "(its sessions are lost) or restore it from a backup, then start again")
 
     def append(self, *records: Record) -> None:
-        """Write `records` (one write call) and apply them to the states; fsync now if the policy is "commit"."""
+        """Write `records` (one write call) and apply them to the states; fsync now if the policy
+        is "commit". Inside `batch`, on the thread that opened it, the write waits for its end."""
         frames = []
         for record in records:
             payload = _encoder.encode(record)
@@ -257,14 +265,39 @@ class SessionLog:
         blob = b"".join(frames)
         with self._lock:
             self._check_all(records)  # nothing that contradicts the log is ever written to it
-            self._write(blob)
+            if self._batch is not None and self._batch_thread == threading.get_ident():
+                self._batch.append(blob)
+            else:
+                self._write_and_count(blob)
             for record in records:
                 apply(self.states, record)
-            self._written_since_compaction += len(blob)
-            self._dirty = True
-            if self.sync_policy == "commit":
-                os.fsync(self._fd)
-                self._dirty = False
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold what this thread appends inside the block and write it in one `write` at its end
+        (the scheduler wraps a step's commits: one write per tick, not one per token). The states
+        change at each append; nothing appended may be reported to anyone before the block ends.
+        Appends from other threads are written at once, as always."""
+        with self._lock:
+            if self._batch is not None:
+                raise RuntimeError("the session log's batches do not nest")
+            self._batch, self._batch_thread = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._lock:
+                held, self._batch, self._batch_thread = self._batch, None, None
+                if held:
+                    self._write_and_count(b"".join(held))
+
+    def _write_and_count(self, blob: bytes) -> None:
+        """Write `blob` (the lock held), and fsync it now under the "commit" policy."""
+        self._write(blob)
+        self._written_since_compaction += len(blob)
+        self._dirty = True
+        if self.sync_policy == "commit":
+            os.fsync(self._fd)
+            self._dirty = False
 
     def _write(self, blob: bytes) -> None:
         """Append `blob` whole, or not at all: a short write is continued, and a failed one is cut
@@ -295,13 +328,37 @@ class SessionLog:
                 lengths[record.session] = None
 
     def sync(self) -> bool:
-        """fsync if something was written since the last sync and the policy is "tick"; True if it synced."""
+        """fsync now if something was written since the last sync and the policy is "tick"; True
+        if it synced."""
         with self._lock:
             if not self._dirty or self.sync_policy == "never":
                 return False
             os.fsync(self._fd)
             self._dirty = False
             return True
+
+    def sync_soon(self) -> None:
+        """Under the "tick" policy, have the syncer thread fsync what was written so far (the
+        caller goes on at once); nothing under the others."""
+        with self._lock:
+            if self._syncer is not None and self._syncer.error is not None:
+                error, self._syncer.error = self._syncer.error, None
+                raise error  # the disk refused an earlier fsync: whoever writes must hear of it
+            if not self._dirty or self.sync_policy != "tick":
+                return
+            if self._syncer is None:
+                self._syncer = _Syncer(self)
+            self._syncer.wake()
+
+    def _take_dirty_fd(self) -> int | None:
+        """For the syncer: a duplicate of the log's descriptor if something awaits an fsync
+        (marked clean now: what is written after this waits for the next one), else None. A
+        duplicate, so a compaction may replace the file while the fsync runs."""
+        with self._lock:
+            if not self._dirty or self._fd < 0:
+                return None
+            self._dirty = False
+            return os.dup(self._fd)
 
     def should_compact(self) -> bool:
         """True when the records written since the last compaction outweigh the live snapshot.
@@ -347,6 +404,8 @@ class SessionLog:
 
     def close(self) -> None:
         """Sync (whatever the policy: a clean stop loses nothing) and close."""
+        if self._syncer is not None:
+            self._syncer.stop()
         with self._lock:
             if self._fd < 0:
                 return
@@ -354,3 +413,50 @@ class SessionLog:
             os.close(self._fd)
             self._fd = -1
             os.close(self._lock_fd)
+
+
+class _Syncer:
+    """The thread that fsyncs the log under the "tick" policy, so that no step waits for the disk.
+    Wakes coalesce: writes that arrive during an fsync are covered by the next one."""
+
+    def __init__(self, log: SessionLog) -> None:
+        self._log = log
+        self._wanted = threading.Condition()
+        self._pending = False
+        self._stopping = False
+        self.error: OSError | None = None  # an fsync's failure, raised by the next sync_soon
+        self._thread = threading.Thread(target=self._run, name="superfluid-log-sync", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """An fsync is wanted."""
+        with self._wanted:
+            self._pending = True
+            self._wanted.notify()
+
+    def stop(self) -> None:
+        """Finish the fsync under way (close syncs whatever is left) and end the thread."""
+        with self._wanted:
+            self._stopping = True
+            self._wanted.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wanted:
+                while not self._pending and not self._stopping:
+                    self._wanted.wait()
+                if self._stopping:
+                    return
+                self._pending = False
+            fd = self._log._take_dirty_fd()
+            if fd is None:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                with self._log._lock:
+                    self.error = exc
+                    self._log._dirty = True  # not on disk: the next sync (or close) tries again
+            finally:
+                os.close(fd)

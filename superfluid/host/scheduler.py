@@ -40,7 +40,7 @@ from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
-from superfluid.host.session import Piece
+from superfluid.host.session import Generation, Piece
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher
 
@@ -82,6 +82,7 @@ class Scheduler:
         # these and the lanes, never at every session (most are idle)
         self.active: dict[Live, None] = {}
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
+        self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self._commands: queue.Queue = queue.Queue()
         # when the command running now was submitted: a generation waits from there, the step in
@@ -142,7 +143,7 @@ class Scheduler:
                     self.tick()
                 elif not self._stopping:
                     self.kv.park_idle(self.clock(), generating=False)
-                    self.log.sync()  # what idle commands wrote (the "tick" policy's idle tick)
+                    self.log.sync_soon()  # what idle commands wrote (the "tick" policy's idle tick)
                 self._announce()
                 self.ticks += 1
                 if self.policy.churn is not None and not self._stopping:
@@ -299,7 +300,7 @@ class Scheduler:
             self._step([(live, request) for live, request in prefill
                         if live.job is not None and live.seq == request.seq])
         self.kv.relieve_pressure()
-        self.log.sync()
+        self.log.sync_soon()
         if self.log.should_compact():
             self.log.compact()
 
@@ -397,6 +398,18 @@ class Scheduler:
             self._no_room([live for live, _ in requests])
             return
         self._measure(requests, perf_counter() - began)
+        # The step's records go to the log in one write, and only then do readers hear of its tokens.
+        self._outbox = []
+        try:
+            with self.log.batch():
+                self._commit_step(requests, results)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for generation, piece in outbox:
+                generation._put(piece)
+
+    def _commit_step(self, requests: list, results: list) -> None:
+        """Count what a step fed, sample and commit each lane's next token, checkpoint."""
         for (live, request), logits in zip(requests, results):
             fed = len(request.tokens)
             live.kv += fed
@@ -460,7 +473,7 @@ class Scheduler:
         text = "" if end_of_turn else job.stream.feed(self.engine.detokenize([token]))
         scored = None if request.logprobs is None else sampler.logprobs(
             logits, token, request.logprobs, lambda t: self.engine.detokenize([t]))
-        job.generation._put(Piece(text, token, scored))
+        self._deliver(job.generation, Piece(text, token, scored))
         if end_of_turn or job.stream.stopped is not None:
             self.finish(live, "stop")
         elif job.produced >= request.max_tokens:
@@ -469,6 +482,13 @@ class Scheduler:
             self._context_full(live)
         elif live.since_park >= self.policy.checkpoint_tokens:
             self.kv.park(live, keep_lane=True)
+
+    def _deliver(self, generation: Generation, piece: Piece) -> None:
+        """Hand `piece` to its reader: at once, or inside a step once the step's records are written."""
+        if self._outbox is None:
+            generation._put(piece)
+        else:
+            self._outbox.append((generation, piece))
 
     # ----------------------------------------------------------------------------- ending
 
@@ -484,7 +504,7 @@ class Scheduler:
         # an end-of-turn token ended it (after a stop string matched, finish() holds nothing)
         rest = job.stream.finish()
         if rest:
-            job.generation._put(Piece(rest, -1))
+            self._deliver(job.generation, Piece(rest, -1))
         self.counters.generations += 1
         if not job.started:  # it never ran: the session is as it was before it asked
             if len(live.state.tokens) > job.opened_at:

@@ -96,6 +96,83 @@ def test_sync_policies(tmp_path, policy, synced):
     log.close()
 
 
+def test_a_batch_is_written_once_at_its_end_and_other_threads_are_not_held(tmp_path):
+    import threading
+
+    log = SessionLog(tmp_path)
+    log.append(opened("a"), opened("b"))
+    writes = []
+    write = log._write
+    log._write = lambda blob: (writes.append(len(blob)), write(blob))
+    size = log.path.stat().st_size
+    with log.batch():
+        log.append(Tokens("a", 0, [1, 2]))
+        log.append(Tokens("b", 0, [7]))
+        assert log.states["a"].tokens == [1, 2] and log.path.stat().st_size == size  # applied, not yet written
+        other = threading.Thread(target=log.append, args=(opened("c"),))
+        other.start()
+        other.join()
+        assert len(writes) == 1  # another thread's append is written at once
+    assert len(writes) == 2 and log.path.stat().st_size == size + sum(writes)
+    log.close()
+    again = SessionLog(tmp_path)
+    assert again.states["a"].tokens == [1, 2] and again.states["b"].tokens == [7] and "c" in again.states
+    again.close()
+
+
+def test_the_tick_policy_syncs_on_its_own_thread_without_holding_the_writer(tmp_path, monkeypatch):
+    import threading
+
+    from superfluid.host import log as log_module
+
+    started, release, threads = threading.Event(), threading.Event(), []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # a disk that takes its time
+        threads.append(threading.current_thread().name)
+        started.set()
+        release.wait(timeout=60)
+        real_fsync(fd)
+
+    monkeypatch.setattr(log_module.os, "fsync", slow_fsync)
+    log = SessionLog(tmp_path, "tick")
+    log.append(opened("a"))
+    log.sync_soon()
+    assert started.wait(timeout=60)
+    log.append(Tokens("a", 0, [1]))  # written while the fsync runs: neither waits for the other
+    log.sync_soon()
+    release.set()
+    log.close()  # the syncer ends; close syncs what is left
+    assert threads[0] == "superfluid-log-sync"
+    again = SessionLog(tmp_path)
+    assert again.states["a"].tokens == [1]
+    again.close()
+
+
+def test_a_failed_background_fsync_is_raised_by_the_next_sync(tmp_path, monkeypatch):
+    import threading
+
+    from superfluid.host import log as log_module
+
+    failed = threading.Event()
+
+    def broken_fsync(fd):
+        failed.set()
+        raise OSError(5, "Input/output error")
+
+    log = SessionLog(tmp_path, "tick")
+    log.append(opened("a"))
+    monkeypatch.setattr(log_module.os, "fsync", broken_fsync)
+    log.sync_soon()
+    assert failed.wait(timeout=60)
+    log._syncer.stop()  # the failure is recorded before the thread ends
+    with pytest.raises(OSError, match="Input/output error"):
+        log.sync_soon()
+    monkeypatch.undo()
+    assert log.sync() is True  # still owed to the disk
+    log.close()
+
+
 def test_an_unknown_policy_is_refused(tmp_path):
     with pytest.raises(ValueError, match="log sync policy 'sometimes'"):
         SessionLog(tmp_path, "sometimes")

@@ -110,3 +110,30 @@ def test_a_broken_step_s_logits_are_sampled_safely_or_refused_by_name(settings):
     assert sample(np.array([1.0, np.inf, 3.0, np.inf]), settings, 0) == 1  # +inf takes all the probability
     with pytest.raises(SamplingError, match="all NaN or -inf"):
         sample(np.array([np.nan, -np.inf, np.nan]), settings, 0)
+
+
+def test_the_draw_by_blocks_picks_what_one_running_sum_picks():
+    from superfluid.host.sampling import DRAW_BLOCK, _draw
+
+    rng = np.random.default_rng(11)
+    weights = rng.exponential(size=DRAW_BLOCK * 7 + 13)  # a last block shorter than the others
+    weights[rng.integers(0, weights.size, 500)] = 0.0  # ids with no probability are never drawn
+    running = np.cumsum(weights)
+    draws = rng.random(3000)
+    chosen = [_draw(weights, u) for u in draws]
+    assert chosen == [int(np.searchsorted(running, u * running[-1], side="right")) for u in draws]
+    assert all(weights[c] > 0 for c in chosen)
+    assert _draw(weights, 0.0) == int(np.flatnonzero(weights)[0])
+    assert _draw(weights, np.nextafter(1.0, 0.0)) == int(np.flatnonzero(weights)[-1])
+
+
+def test_a_large_vocabulary_samples_as_its_definition_says():
+    # the workspace and the blocked draw at a real vocabulary's size, every filter on its path
+    logits = np.random.default_rng(5).normal(0.0, 3.0, 49152).astype(np.float32)
+    for settings in (Sampling(temperature=1.0), Sampling(temperature=0.8, top_p=0.9),
+                     Sampling(temperature=1.0, min_p=0.05), Sampling(temperature=1.0, top_k=40, top_p=0.95)):
+        allowed = reference_candidates(logits, settings)
+        drawn = [sample(logits, settings, p) for p in range(400)]
+        assert set(drawn) <= allowed and len(set(drawn)) > 3
+        assert drawn == [sample(logits, settings, p) for p in range(400)]  # a pure function of the position
+    assert sample(logits, Sampling(), 0) == int(np.argmax(logits))

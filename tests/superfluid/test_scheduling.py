@@ -98,6 +98,46 @@ def test_cancelling_mid_stream_frees_the_lane_at_once(open_host, runtime):
     assert [(g.finish_reason, len(g.tokens)) for g in others] == [("length", 2), ("length", 2)]
 
 
+def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_them(open_host, monkeypatch):
+    from superfluid.host import log as log_module
+    from superfluid.host.request import GenerateRequest
+    from superfluid.host.session import Generation
+
+    host = open_host()
+    log = host._scheduler.log
+    sessions = [host.session() for _ in range(3)]
+    for number, session in enumerate(sessions):
+        session.append_text(f"{PROMPT} {number}")
+    records_per_write, early = [], []
+    write, put = log._write, Generation._put
+
+    def counting_write(blob):  # the Tokens records in each write
+        tokens, offset = 0, 0
+        while offset < len(blob):
+            length, _ = log_module.FRAME.unpack_from(blob, offset)
+            record = log_module._decoder.decode(blob[offset + log_module.FRAME.size:offset + log_module.FRAME.size + length])
+            tokens += isinstance(record, log_module.Tokens)
+            offset += log_module.FRAME.size + length
+        records_per_write.append(tokens)
+        write(blob)
+
+    def checked_put(generation, piece):  # a reader hears of a token only once its record is written
+        if log._batch is not None:
+            early.append(piece)
+        put(generation, piece)
+
+    log._write = counting_write
+    monkeypatch.setattr(Generation, "_put", checked_put)
+    wanted = GenerateRequest(max_tokens=6, ignore_eos=True)
+    generations = host.call(lambda: [host.commands.generate(s.id, wanted) for s in sessions])
+    for generation in generations:
+        generation.collect()
+    assert [len(g.tokens) for g in generations] == [6, 6, 6]
+    assert early == []
+    assert max(records_per_write) == 3  # the three lanes' tokens of a step, in one write
+    assert sum(records_per_write) == 18
+
+
 @pytest.mark.parametrize("policy", ["tick", "commit", "never"])
 def test_every_log_sync_policy_keeps_a_clean_restart_whole(open_host, policy):
     host = open_host(log_sync=policy)
