@@ -72,7 +72,8 @@ class Generation:
         self.prompt_tokens = 0  # tokens the model read before its first output token
         self.cached_tokens = 0  # of those, how many came from cache instead of a prefill
         self._alive = lambda: True
-        self._wake: Callable[[], None] | None = None  # an async reader's: called after each put
+        self._wake: Callable[[], None] | None = None  # an async reader's: called after a put it waits for
+        self._waiting = False  # the async reader may be waiting: the next put wakes it
 
     # -- the scheduler's side
     def _put(self, piece: Piece) -> None:
@@ -84,8 +85,11 @@ class Generation:
         self._woken()
 
     def _woken(self) -> None:
+        # Only a reader that may be waiting is woken (each wake is a write to the event loop's
+        # self-pipe): one that is busy with earlier pieces looks at the queue before it waits.
         wake = self._wake
-        if wake is not None:
+        if wake is not None and self._waiting:
+            self._waiting = False
             wake()
 
     # -- the application's side
@@ -122,8 +126,10 @@ class Generation:
         if self._wake is None:  # read without `async for`
             self.__aiter__()
         while True:
-            # cleared before looking, so a piece put after the look still wakes the wait below
+            # cleared and marked waiting before looking, so a piece put after the look still
+            # wakes the wait below
             self._arrived.clear()
+            self._waiting = True
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -133,7 +139,22 @@ class Generation:
                 except TimeoutError:
                     self._check_alive()
                 continue
+            self._waiting = False  # busy with this piece: it looks at the queue before it waits again
             return self._accept(item, StopAsyncIteration)
+
+    def pieces_ready(self) -> list[Piece]:
+        """The pieces already waiting to be read, taken without waiting (an empty list when none);
+        the generation's end is left for the next read."""
+        ready = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return ready
+            if isinstance(item, _Finished):
+                self._queue.put(item)  # the last item: the next read ends the iteration
+                return ready
+            ready.append(self._accept(item, StopIteration))
 
     def _accept(self, item: Piece | _Finished, end: type[Exception]) -> Piece:
         """A piece taken from the queue, recorded; `end` raised when the generation is over."""

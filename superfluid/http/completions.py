@@ -9,11 +9,12 @@ point cancels its generation, which frees its lane at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from superfluid.host.errors import GenerationTimeout
 from superfluid.host.prompts import PreparedPrompt
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from superfluid.http.app import App, Exchange
     from superfluid.host.session import Generation, Piece
 
+_json = msgspec.json.Encoder()
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "timeout": "length", "closed": "stop"}
 
 
@@ -45,9 +47,9 @@ async def answer(app: App, exchange: Exchange, generation: Generation, request, 
     """Answer with `generation`: one JSON body, or server-sent events."""
     watcher = asyncio.create_task(exchange.watch_disconnect(generation.cancel))
     try:
-        pieces = _timed(app, generation, exchange.arrived)
+        batches = _timed(app, generation, exchange.arrived)
         try:
-            first = await anext(pieces, None)
+            first = await anext(batches, None)
         except GenerationTimeout:
             first = None  # nothing produced in time: answered with finish_reason "length"
         except BaseException:
@@ -58,9 +60,9 @@ async def answer(app: App, exchange: Exchange, generation: Generation, request, 
                 "model": app.model_name}
         try:
             if request.stream:
-                await _events(exchange, _chunks(generation, first, pieces, base, chat, request))
+                await _events(exchange, _chunks(generation, first or [], batches, base, chat, request))
             else:
-                await _whole(exchange, generation, first, pieces, base, chat, request)
+                await _whole(exchange, generation, first or [], batches, base, chat, request)
         finally:
             if first is not None:
                 app.metrics.latency(time.perf_counter() - exchange.arrived)
@@ -68,27 +70,30 @@ async def answer(app: App, exchange: Exchange, generation: Generation, request, 
         watcher.cancel()
 
 
-async def _timed(app: App, generation: Generation, started: float) -> AsyncIterator[Piece]:
-    """The generation's pieces, observing the time to the first token and between output tokens."""
+async def _timed(app: App, generation: Generation, started: float) -> AsyncIterator[list[Piece]]:
+    """The generation's pieces in batches: each the piece waited for and those already queued
+    behind it (a reader that fell behind catches up in one write, not one per token); observing
+    the time to the first token and between output tokens."""
     last = None
     async for piece in generation:
-        if piece.token >= 0:  # a new token (-1: held-back text at the end)
-            now = time.perf_counter()
-            if last is None:
-                app.metrics.first_token(now - started)
-            else:
-                app.metrics.output_token(now - last)
-            last = now
-        yield piece
+        batch = [piece, *generation.pieces_ready()]
+        now = time.perf_counter()
+        for piece in batch:
+            if piece.token >= 0:  # a new token (-1: held-back text at the end)
+                if last is None:
+                    app.metrics.first_token(now - started)
+                else:
+                    app.metrics.output_token(now - last)
+                last = now
+        yield batch
 
 
-async def _whole(exchange: Exchange, generation: Generation, first: Piece | None, pieces: AsyncIterator[Piece],
+async def _whole(exchange: Exchange, generation: Generation, first: list[Piece], batches: AsyncIterator[list[Piece]],
                  base: dict, chat: bool, request) -> None:
-    scored = [first.logprobs] if first is not None and first.logprobs is not None else []
+    scored = [piece.logprobs for piece in first if piece.logprobs is not None]
     try:
-        async for piece in pieces:
-            if piece.logprobs is not None:
-                scored.append(piece.logprobs)
+        async for batch in batches:
+            scored.extend(piece.logprobs for piece in batch if piece.logprobs is not None)
     except GenerationTimeout:
         pass  # what it produced is answered (its logprobs too), with finish_reason "length"
     text = generation.text
@@ -101,57 +106,87 @@ async def _whole(exchange: Exchange, generation: Generation, first: Piece | None
     await exchange.json(200, {**base, "choices": [choice], "usage": responses.usage(generation)})
 
 
-async def _chunks(generation: Generation, first: Piece | None, pieces: AsyncIterator[Piece], base: dict,
-                  chat: bool, request) -> AsyncIterator[dict]:
-    """The stream's chunks: the role (chat), one per piece with text, the finish, the usage."""
+def _event(chunk: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + _json.encode(chunk) + b"\n\n"
+
+
+class _TextEvents:
+    """A stream's text events, the same every time but for the text: encoded once around a
+    marker, so each token's event is its text's JSON between two constant byte strings."""
+
+    MARKER = "\x00text\x00"
+
+    def __init__(self, base: dict, kind: str, chat: bool) -> None:
+        delta = {"delta": {"content": self.MARKER}} if chat else {"text": self.MARKER}
+        event = _event({**base, "object": kind, "choices": [{"index": 0, **delta, "finish_reason": None}]})
+        self._before, self._after = event.split(_json.encode(self.MARKER))
+
+    def of(self, text: str) -> bytes:
+        """The event that carries `text`."""
+        return self._before + _json.encode(text) + self._after
+
+
+async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIterator[list[Piece]], base: dict,
+                  chat: bool, request) -> AsyncIterator[bytes]:
+    """The stream's events, a batch of pieces at a time: the role (chat), one per piece with
+    text, the finish, the usage."""
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     kind = "chat.completion.chunk" if chat else "text_completion"
     wanted = api.logprobs_of(request, chat=chat) is not None
+    text_events = _TextEvents(base, kind, chat)
     sent = 0  # characters streamed so far (completions' text offsets)
 
     def shown(scored: list) -> dict:
         # a token's logprobs go out with the first chunk that carries its text (or the last)
-        if not wanted:
-            return {}
         return {"logprobs": logprobs.chat(scored) if chat else logprobs.completion(scored, sent)}
 
     if chat:
-        yield {**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                     "finish_reason": None}]}
+        yield _event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                            "finish_reason": None}]})
     pending = []
-    async for piece in _every_piece(first, pieces):
-        if piece.logprobs is not None:
-            pending.append(piece.logprobs)
-        if piece.text:
-            delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
-            yield {**base, "object": kind, "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}
+    async for batch in _every_batch(first, batches):
+        events = []
+        for piece in batch:
+            if wanted and piece.logprobs is not None:
+                pending.append(piece.logprobs)
+            if not piece.text:
+                continue
+            if wanted:
+                delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+                events.append(_event({**base, "object": kind,
+                                      "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}))
+            else:
+                events.append(text_events.of(piece.text))
             sent, pending = sent + len(piece.text), []
+        if events:
+            yield b"".join(events)
     reason = FINISH.get(generation.finish_reason or "stop", "stop")
     last = {"delta": {}} if chat else {"text": ""}
-    yield {**base, "object": kind, "choices": [{"index": 0, **last, **(shown(pending) if pending else {}),
-                                                 "finish_reason": reason}]}
+    yield _event({**base, "object": kind, "choices": [{"index": 0, **last, **(shown(pending) if pending else {}),
+                                                        "finish_reason": reason}]})
     if include_usage:
-        yield {**base, "object": kind, "choices": [], "usage": responses.usage(generation)}
+        yield _event({**base, "object": kind, "choices": [], "usage": responses.usage(generation)})
 
 
-async def _every_piece(first: Piece | None, pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
-    if first is not None:
+async def _every_batch(first: list[Piece], batches: AsyncIterator[list[Piece]]) -> AsyncIterator[list[Piece]]:
+    if first:
         yield first
     try:
-        async for piece in pieces:
-            yield piece
+        async for batch in batches:
+            yield batch
     except GenerationTimeout:
         pass  # what it produced was streamed; it ends with finish_reason "length"
 
 
-async def _events(exchange: Exchange, chunks: AsyncIterator[dict]) -> None:
+async def _events(exchange: Exchange, events: AsyncIterator[bytes]) -> None:
     """Server-sent events, one JSON chunk each, then [DONE]. An error after the stream began goes
     out as an error event (OpenAI's clients raise it as an API error), then [DONE]: never as a
     second response inside the first."""
     await exchange.start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
-        async for chunk in chunks:
-            await exchange.write(f"data: {json.dumps(chunk)}\n\n".encode(), more=True)
+        async for data in events:
+            await exchange.write(data, more=True)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the client must hear of it in the stream
-        await exchange.write(f"data: {json.dumps(responses.error_event(exc))}\n\n".encode(), more=True)
+        await exchange.write(_event(responses.error_event(exc)), more=True)
     await exchange.write(b"data: [DONE]\n\n", more=False)
