@@ -15,8 +15,10 @@ Every public call reaches it as a command (a callable and its arguments, answere
        as many as the measured step costs fit within the first-token target (and the decode-step
        target while a lane decodes), the prefill budget and the free cells; while an interactive
        lane runs, other classes' prefill waits
-    6. sample, commit each token to the session log (written before it is reported), stream it
-    7. checkpoint lanes that committed enough tokens since they were last parked; sync the log
+    6. sample and commit each lane's token, checkpoint lanes that committed enough tokens since
+       they were last parked; the step's log records go out in one write, then its pieces to
+       their readers
+    7. hand the log's fsync to its syncer thread (the "tick" policy)
 """
 
 from __future__ import annotations
