@@ -329,17 +329,27 @@ def test_a_short_request_is_not_held_behind_long_prompts_that_hold_every_sequenc
     gate = Gate(lambda requests: next(steps) == 2)  # the long prompts' third prefill step
     host, engine = cell_host(cells=1 << 15, max_sequences=4, prefill_budget=64, gate=gate)
     short = waiting_session(host, prompt(9, 20))
+    steps_when_chat_ended = []
+    finish = host._scheduler.finish
+
+    def recording_finish(live, reason, error=None):  # on the scheduler thread, as the chat ends
+        if live.state.id == short.id:
+            steps_when_chat_ended.append(len(engine.steps))
+        return finish(live, reason, error)
+
+    host._scheduler.finish = recording_finish
     sessions, long = start(host, [prompt(i, 1500) for i in range(4)], max_tokens=8)
     chat = gate.generate_while_held(host, short, max_tokens=4)
     chat.collect()
-    fed_before_chat_ended = len(engine.steps)
     outputs = [g.collect() for g in long]
     assert all(len(g.tokens) == 8 for g in long) and len(chat.tokens) == 4
     stats = host.stats()
     # one long lane swapped out (the one with the least fed: nothing to copy), and no prompt token
     # fed twice
     assert stats.preemptions == 1 and stats.prefill_tokens == 4 * 1500 + 20
-    assert fed_before_chat_ended < len(engine.steps) - 10  # the chat ended long before the long prompts did
+    # the chat ended long before the long prompts did (counted where it ended: the test thread
+    # may read the steps only after the scheduler took many more)
+    assert steps_when_chat_ended[0] < len(engine.steps) - 10
     # the swapped-out lane's output is what it would have been without the swap
     alone, _ = cell_host(cells=1 << 15, max_sequences=4, prefill_budget=64)
     again, generations = start(alone, [prompt(i, 1500) for i in range(4)], max_tokens=8)
