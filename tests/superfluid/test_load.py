@@ -356,6 +356,29 @@ def test_a_short_request_is_not_held_behind_long_prompts_that_hold_every_sequenc
     assert [g.collect() for g in generations] == outputs
 
 
+def test_a_swapped_out_prompt_that_had_made_progress_resumes_from_its_exported_kv(cell_host):
+    # One sequence, held by a long prompt already partly prefilled; a short one of the same
+    # class arrives: the long lane's KV so far is exported to the pool (held), the short one is
+    # answered, and the long one resumes by import where it stopped, feeding nothing twice.
+    steps = itertools.count()
+    gate = Gate(lambda requests: next(steps) == 4)  # the long prompt's fifth prefill step
+    host, engine = cell_host(cells=1 << 15, max_sequences=1, prefill_budget=64, gate=gate)
+    short = waiting_session(host, prompt(9, 20))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=8)
+    chat = gate.generate_while_held(host, short, max_tokens=4)
+    chat.collect()
+    output = long.collect()
+    assert len(chat.tokens) == 4 and len(long.tokens) == 8
+    fed_before_swap = sum(n for step in engine.steps[:4] for _, n in step)
+    assert fed_before_swap >= 4 * 8  # it had made progress: four steps of prefill
+    stats = host.stats()
+    assert stats.preemptions == 1 and stats.prefill_tokens == 1500 + 20  # nothing fed twice
+    assert stats.imports >= 1  # it came back from the pool, not by a prefill
+    alone, _ = cell_host(cells=1 << 15, max_sequences=1, prefill_budget=64)
+    _, (again,) = start(alone, [prompt(0, 1500)], max_tokens=8)
+    assert again.collect() == output  # the same reply as without the swap
+
+
 def test_same_sized_prompts_never_swap_each_other_out(cell_host):
     gate = Gate(lambda requests: True)
     host, _ = cell_host(cells=1 << 15, max_sequences=2, prefill_budget=64, gate=gate)
