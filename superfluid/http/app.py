@@ -29,7 +29,7 @@ from superfluid.host import sampling as sampler
 from superfluid.host.errors import HostClosed, SessionNotFound
 from superfluid.host.request import Prompt
 from superfluid.host.session import LIVENESS_SECONDS
-from superfluid.http import api, completions, responses, worker
+from superfluid.http import api, builders, completions, responses, worker
 from superfluid.http.connections import OVER_CAPACITY
 from superfluid.http.metrics import CONTENT_TYPE, Metrics
 
@@ -283,7 +283,7 @@ class App:
         body = await exchange.body(MAX_BODY, self.body_timeout)
         # decoding, checking, rendering and tokenizing cost as much as the request is long: on a
         # worker thread, so neither the event loop nor the scheduler thread waits for them
-        await completions.one_shot(self, exchange, *await asyncio.to_thread(self._chat_request, body), chat=True)
+        await completions.one_shot(self, exchange, *await builders.build(self._chat_request, body), chat=True)
 
     def _chat_request(self, body: bytes) -> tuple:
         """On a worker thread: the chat request, its prompt built, and what it asks of the host."""
@@ -299,7 +299,7 @@ class App:
 
     async def _completions(self, exchange: Exchange, _: None) -> None:
         body = await exchange.body(MAX_BODY, self.body_timeout)
-        await completions.one_shot(self, exchange, *await asyncio.to_thread(self._completion_request, body),
+        await completions.one_shot(self, exchange, *await builders.build(self._completion_request, body),
                                    chat=False)
 
     def _completion_request(self, body: bytes) -> tuple:
@@ -355,7 +355,7 @@ class App:
     async def _append(self, session_id: str, messages: list[tuple[str, str]]) -> None:
         """Append `messages` to a session, rendered on a worker thread (Host.append_messages)."""
         if messages:
-            await asyncio.to_thread(self.host.append_messages, session_id, messages)
+            await builders.build(self.host.append_messages, session_id, messages)
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
