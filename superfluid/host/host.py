@@ -208,13 +208,18 @@ class Host:
         segment stays for the next Host unless `remove_pool` (then parked KV is gone, and a
         restarted Host prefills its sessions from the log). Idempotent."""
         scheduler = self._scheduler
-        if scheduler.alive():
+        closed = False
+        if scheduler.error is None and scheduler.alive():
             try:
                 self.call(self.commands.close)
+                closed = True
+            except HostClosed:
+                pass  # it failed meanwhile: closed below as a failed one
             finally:
                 scheduler.stop()
                 scheduler.thread.join()
-        else:  # the scheduler failed: what it could not close
+        if not closed:  # the scheduler failed: what it could not close, once it has ended
+            scheduler.thread.join()
             self._log.close()
             try:
                 self.pool.close()  # idempotent

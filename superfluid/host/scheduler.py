@@ -400,15 +400,17 @@ class Scheduler:
             self._no_room([live for live, _ in requests])
             return
         self._measure(requests, perf_counter() - began)
-        # The step's records go to the log in one write, and only then do readers hear of its tokens.
+        # The step's records go to the log in one write, and only then do readers hear of its
+        # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []
         try:
             with self.log.batch():
                 self._commit_step(requests, results)
+            outbox = self._outbox
         finally:
-            outbox, self._outbox = self._outbox, None
-            for generation, piece in outbox:
-                generation._put(piece)
+            self._outbox = None
+        for generation, piece in outbox:
+            generation._put(piece)
 
     def _commit_step(self, requests: list, results: list) -> None:
         """Count what a step fed, sample and commit each lane's next token, checkpoint."""

@@ -138,6 +138,36 @@ def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_t
     assert sum(records_per_write) == 18
 
 
+def test_a_step_whose_log_write_fails_hands_out_none_of_its_tokens(open_host, tmp_path):
+    from superfluid.host.log import SessionLog
+
+    host = open_host()
+    session = host.session()
+    session.append_text(PROMPT)
+    log = host._scheduler.log
+    write, writes = log._write, []
+
+    def failing_write(blob):  # the disk fills up at the fourth step's records
+        writes.append(len(blob))
+        if len(writes) == 4:
+            raise OSError(28, "No space left on device")
+        write(blob)
+
+    log._write = failing_write
+    generation = session.generate(max_tokens=8, ignore_eos=True)
+    with pytest.raises(OSError, match="No space left on device"):
+        generation.collect()
+    received = list(generation.tokens)
+    host.close()
+    log = SessionLog(tmp_path / "log")
+    try:
+        logged = log.states[session.id].tokens
+    finally:
+        log.close()
+    written = len(writes) - 1  # steps written before the failure: one write, one token each
+    assert received == logged[len(logged) - written:]  # a reader heard of exactly the tokens in the log
+
+
 @pytest.mark.parametrize("policy", ["tick", "commit", "never"])
 def test_every_log_sync_policy_keeps_a_clean_restart_whole(open_host, policy):
     host = open_host(log_sync=policy)
