@@ -141,6 +141,24 @@ def clients_at_once(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
              {k: outcomes.count(k) for k in sorted(set(outcomes))} | {"seconds": round(seconds, 1)})
 
 
+def idle_sessions(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
+    """A short request's decode rate on the empty server, then beside `sessions` idle ones."""
+    # three samples a side: one short request's rate swings by ~10% on a shared machine
+    empty = [decode_rate(served, sizes.decode_tokens, salt) for salt in (1, 2, 3)]
+    go_idle(served, sizes.sessions, sizes.session_tokens)
+    loaded = [decode_rate(served, sizes.decode_tokens, salt) for salt in (4, 5, 6)]
+    run.record(f"{served.label}: decode tokens/s, empty", empty, unit="tok/s")
+    run.record(f"{served.label}: decode tokens/s beside {sizes.sessions} idle sessions", loaded, unit="tok/s")
+
+
+def ratio_if_measured(run: Run, label: str, *, ours: str, baseline: str, **options) -> None:
+    """`run.ratio` where both figures were measured; a note where a side failed its shape."""
+    if ours in run.figures and baseline in run.figures:
+        run.ratio(label, ours=ours, baseline=baseline, **options)
+    else:
+        run.note(f"{label}: no ratio", "a side failed the shape (noted above)")
+
+
 def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) -> None:
     """The three shapes on each server, then the ratios."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -151,40 +169,36 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
-                # three samples a side: one short request's rate swings by ~10% on a shared machine
-                empty = [decode_rate(served, sizes.decode_tokens, salt) for salt in (1, 2, 3)]
-                go_idle(served, sizes.sessions, sizes.session_tokens)
-                loaded = [decode_rate(served, sizes.decode_tokens, salt) for salt in (4, 5, 6)]
-                run.record(f"{served.label}: decode tokens/s, empty", empty, unit="tok/s")
-                run.record(f"{served.label}: decode tokens/s beside {sizes.sessions} idle sessions", loaded,
-                           unit="tok/s")
-                tick(f"{served.label}: idle sessions")
-                agents_and_chat(run, served, sizes)
-                tick(f"{served.label}: agents and a chat")
-                clients_at_once(run, served, sizes)
-                tick(f"{served.label}: {sizes.clients} clients")
+                for name, shape in (("idle sessions", idle_sessions), ("agents and a chat", agents_and_chat),
+                                    (f"{sizes.clients} clients", clients_at_once)):
+                    try:
+                        shape(run, served, sizes)
+                    except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
+                        run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
+                    tick(f"{served.label}: {name}")
             finally:
                 served.stop()
     for side in (servers.OURS, servers.THEIRS, *servers.PEERS):
-        run.ratio(f"{side}: decode beside {sizes.sessions} idle sessions / empty",
-                  ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
-                  baseline=f"{side}: decode tokens/s, empty", group=GROUP if side in (servers.OURS, servers.THEIRS)
-                  else PEER_GROUP, goal=0.9 if side == servers.OURS else None)
-        run.ratio(f"{side}: chat first token, idle / behind {sizes.agents} agents",
-                  ours=f"{side}: chat first token behind {sizes.agents} agents",
-                  baseline=f"{side}: chat first token, idle", group=GROUP if side in (servers.OURS, servers.THEIRS)
-                  else PEER_GROUP, goal=0.5 if side == servers.OURS else None)
+        ratio_if_measured(run, f"{side}: decode beside {sizes.sessions} idle sessions / empty",
+                          ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
+                          baseline=f"{side}: decode tokens/s, empty", group=GROUP if side in (servers.OURS, servers.THEIRS)
+                          else PEER_GROUP, goal=0.9 if side == servers.OURS else None)
+        ratio_if_measured(run, f"{side}: chat first token, idle / behind {sizes.agents} agents",
+                          ours=f"{side}: chat first token behind {sizes.agents} agents",
+                          baseline=f"{side}: chat first token, idle", group=GROUP if side in (servers.OURS, servers.THEIRS)
+                          else PEER_GROUP, goal=0.5 if side == servers.OURS else None)
     for theirs, group in ((servers.THEIRS, GROUP), *((peer, PEER_GROUP) for peer in servers.PEERS)):
         name = "theirs" if theirs == servers.THEIRS else theirs
-        run.ratio(f"chat first token behind {sizes.agents} agents: {name} / ours",
-                  ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
-                  baseline=f"{theirs}: chat first token behind {sizes.agents} agents", group=group, goal=1)
-        if run.figures[f"{theirs}: {sizes.clients} clients at once, served"].median == 0:
+        ratio_if_measured(run, f"chat first token behind {sizes.agents} agents: {name} / ours",
+                          ours=f"{servers.OURS}: chat first token behind {sizes.agents} agents",
+                          baseline=f"{theirs}: chat first token behind {sizes.agents} agents", group=group, goal=1)
+        served_figure = run.figures.get(f"{theirs}: {sizes.clients} clients at once, served")
+        if served_figure is not None and served_figure.median == 0:
             run.note(f"{sizes.clients} clients at once, served: ours / {name}", "it served none: no ratio")
             continue
-        run.ratio(f"{sizes.clients} clients at once, served: ours / {name}",
-                  ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
-                  baseline=f"{theirs}: {sizes.clients} clients at once, served", group=group, goal=1)
+        ratio_if_measured(run, f"{sizes.clients} clients at once, served: ours / {name}",
+                          ours=f"{servers.OURS}: {sizes.clients} clients at once, served",
+                          baseline=f"{theirs}: {sizes.clients} clients at once, served", group=group, goal=1)
 
 
 def main(argv: list[str] | None = None) -> int:
