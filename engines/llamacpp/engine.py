@@ -22,7 +22,7 @@ from engines import identity as identities
 from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
 from engines.errors import EngineError, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
-from engines.llamacpp import blob, canary, library, log, memory, settings
+from engines.llamacpp import blob, canary, forwards, library, log, memory, settings
 from engines.llamacpp.tokenizer import LlamaTokenizer
 from kvpool import Device, EntryView, host_memory_available, pricing
 
@@ -96,6 +96,9 @@ class LlamaCppEngine(Adapter):
         self._mem = self._memory.handle(self._ctx)
         # llama.cpp caps n_batch at n_ctx: a step split at the option's value could overrun it
         self._n_batch = min(values["batch_size"], api.llama_n_batch(self._ctx))
+        # ggml's CPU flash-attention kernel computes 64 query rows at a time over the union of
+        # their sequences' cells: steps are then grouped into forwards that keep sequences apart
+        self._tiled_attention = bool(values["flash_attn"]) and values["n_gpu_layers"] == 0
         self._batch = api.llama_batch_init(self._n_batch, 0, 1)
         self._tokens_in = np.ctypeslib.as_array(self._batch.token, shape=(self._n_batch,))
         self._pos_in = np.ctypeslib.as_array(self._batch.pos, shape=(self._n_batch,))
@@ -280,23 +283,27 @@ class LlamaCppEngine(Adapter):
     # ----------------------------------------------------------------------------- forward
 
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
-        """One forward over several sequences (split into llama_decode calls of at most
-        batch_size tokens); per request, its logits rows (float32, copied) or None."""
+        """One step over several sequences: llama_decode calls of at most batch_size tokens,
+        grouped so that no forward's attention tiles mix sequences (forwards.py); per request,
+        its logits rows (float32, copied) or None."""
         self._check_thread()
         self._check_requests(requests)
-        plan = []  # (request index, seq, token, position, wants logits)
-        for index, request in enumerate(requests):
-            start = self._length(request.seq)
-            count = len(request.tokens)
-            if start + count > self._n_ctx:
-                raise NoRoom(f"sequence {request.seq} would reach {start + count} positions; the context holds "
+        for request in requests:
+            end = self._length(request.seq) + len(request.tokens)
+            if end > self._n_ctx:
+                raise NoRoom(f"sequence {request.seq} would reach {end} positions; the context holds "
                              f"{self._n_ctx} (n_ctx)")
-            for offset, token in enumerate(request.tokens):
-                wants = request.logits == "all" or (request.logits == "last" and offset == count - 1)
-                plan.append((index, request.seq, int(token), start + offset, wants))
         results: list[list[np.ndarray]] = [[] for _ in requests]
-        for chunk_start in range(0, len(plan), self._n_batch):
-            self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
+        for group in forwards.group([len(request.tokens) for request in requests], self._tiled_attention):
+            plan = []  # (request index, seq, token, position, wants logits)
+            for index in group:
+                request = requests[index]
+                start, count = self._length(request.seq), len(request.tokens)
+                for offset, token in enumerate(request.tokens):
+                    wants = request.logits == "all" or (request.logits == "last" and offset == count - 1)
+                    plan.append((index, request.seq, int(token), start + offset, wants))
+            for chunk_start in range(0, len(plan), self._n_batch):
+                self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
         # one row (a decode step, a prompt's last token): a view of its forward's block, not a copy
         return [None if not rows else rows[0][np.newaxis] if len(rows) == 1 else np.stack(rows) for rows in results]
 

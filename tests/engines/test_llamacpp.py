@@ -328,3 +328,26 @@ def test_the_tokenizer_answers_any_thread_and_refuses_once_the_model_is_closed(e
     engine.close()
     with pytest.raises(EngineError, match="closed"):
         tokenizer.tokenize(text)
+
+
+def test_flash_attention_steps_keep_sequences_apart_and_give_the_same_logits(engine_for):
+    """With flash attention on the CPU, decode tokens and a chunk of 64 or more tokens run in
+    separate forwards (a 64-row attention tile holding two sequences attends over both); the
+    logits are those of the same forwards run as separate steps."""
+    engines = [engine_for("f32", flash_attn=True) for _ in range(2)]
+    chunk = [int(t) for t in np.arange(70) % 250 + 3]
+    seqs = []
+    for engine in engines:
+        a, b, c = (engine.new_sequence() for _ in range(3))
+        engine.step([StepRequest(a, engine.tokenize(PROMPT)), StepRequest(b, engine.tokenize("Once upon a time"))])
+        seqs.append((a, b, c))
+    (a, b, c), (a2, b2, c2) = seqs
+    forwards = []
+    decode = engines[0]._decode
+    engines[0]._decode = lambda plan, results: (forwards.append({entry[1] for entry in plan}), decode(plan, results))
+    together = engines[0].step([StepRequest(a, [5]), StepRequest(c, chunk), StepRequest(b, [6])])
+    assert forwards == [{c}, {a, b}]
+    apart = engines[1].step([StepRequest(a2, [5]), StepRequest(b2, [6])]) + engines[1].step([StepRequest(c2, chunk)])
+    for mixed, alone in zip(together, [apart[0], apart[2], apart[1]]):
+        np.testing.assert_allclose(mixed, alone, rtol=0, atol=1e-5)
+    assert [engines[0].length(s) for s in (a, b, c)] == [engines[1].length(s) for s in (a2, b2, c2)]
