@@ -204,6 +204,11 @@ class Engine(Protocol):
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One forward over several sequences; per request, its logits (rows, vocab) or None."""
 
+    def interrupt(self) -> bool:
+        """Ask the step in flight (or else the next one) to stop early and raise Interrupted,
+        each sequence holding what the step finished. The one call any thread may make. False
+        where this engine cannot stop a step part-way: the step then runs to its end."""
+
     def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
         """`seq`'s state (covering `tokens`, one per position it holds), ready to be written into
         memory the host reserves for it."""

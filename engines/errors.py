@@ -31,3 +31,7 @@ class NoRoom(EngineError):
 
 class WrongThread(EngineError):
     """An engine was called from a thread other than the one that owns it."""
+
+
+class Interrupted(EngineError):
+    """A step was stopped early by `interrupt()`; the sequences hold what it finished."""

@@ -131,6 +131,10 @@ class CellEngine:
         """The sequences alive."""
         return sorted(self._seqs)
 
+    def interrupt(self) -> bool:
+        """False: a cell engine's step is instant and never stopped part-way."""
+        return False
+
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """Append each request's tokens; NoRoom (changing nothing) when the cells run out."""
         needed = sum(len(r.tokens) for r in requests)

@@ -21,8 +21,8 @@ import numpy as np
 from engines import identity as identities
 from engines.adapter import Adapter
 from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
-from engines.errors import EngineError, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
-from engines.llamacpp import blob, canary, forwards, library, log, memory, settings
+from engines.errors import EngineError, Interrupted, ModelLoadError, NoRoom, RuntimeUnavailable, StateError
+from engines.llamacpp import blob, canary, forwards, interrupt, library, log, memory, settings
 from engines.llamacpp.tokenizer import LlamaTokenizer
 from kvpool import Device, EntryView, host_memory_available, pricing
 
@@ -62,6 +62,7 @@ class LlamaCppEngine(Adapter):
                                  f"({self._lib.version}) supports?")
         self._ctx = None
         self._batch = None
+        self._interrupt: interrupt.Interrupt | None = None
         try:
             self._kind = memory.kind_of(self._meta("general.architecture") or "llama",
                                         recurrent=bool(api.llama_model_is_recurrent(self._model)),
@@ -89,6 +90,11 @@ class LlamaCppEngine(Adapter):
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells for {path}; "
                                  "lower n_ctx, or check the cache types and flash_attn")
         self._n_ctx = api.llama_n_ctx(self._ctx)
+        # A step may be stopped part-way only where llama.cpp can remove the positions of the
+        # ubatch it stopped in: plain KV. A window cache may have dropped the cells the removed
+        # positions displaced, and a recurrent state is overwritten in place.
+        self._interrupt = (interrupt.Interrupt(api, self._ctx)
+                           if self._kind == "kv" and interrupt.supported(api) else None)
         self._vocab = api.llama_model_get_vocab(self._model)
         self._n_vocab = api.llama_vocab_n_tokens(self._vocab)
         self._text = LlamaTokenizer(api, self._vocab, self._n_vocab)
@@ -294,18 +300,32 @@ class LlamaCppEngine(Adapter):
                 raise NoRoom(f"sequence {request.seq} would reach {end} positions; the context holds "
                              f"{self._n_ctx} (n_ctx)")
         results: list[list[np.ndarray]] = [[] for _ in requests]
-        for group in forwards.group([len(request.tokens) for request in requests], self._tiled_attention):
-            plan = []  # (request index, seq, token, position, wants logits)
-            for index in group:
-                request = requests[index]
-                start, count = self._length(request.seq), len(request.tokens)
-                for offset, token in enumerate(request.tokens):
-                    wants = request.logits == "all" or (request.logits == "last" and offset == count - 1)
-                    plan.append((index, request.seq, int(token), start + offset, wants))
-            for chunk_start in range(0, len(plan), self._n_batch):
-                self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
+        try:
+            for group in forwards.group([len(request.tokens) for request in requests], self._tiled_attention):
+                plan = []  # (request index, seq, token, position, wants logits)
+                for index in group:
+                    request = requests[index]
+                    start, count = self._length(request.seq), len(request.tokens)
+                    for offset, token in enumerate(request.tokens):
+                        wants = request.logits == "all" or (request.logits == "last" and offset == count - 1)
+                        plan.append((index, request.seq, int(token), start + offset, wants))
+                for chunk_start in range(0, len(plan), self._n_batch):
+                    self._decode(plan[chunk_start:chunk_start + self._n_batch], results)
+        finally:
+            if self._interrupt is not None:  # an interruption asked for after the last node is moot
+                self._interrupt.clear()
         # one row (a decode step, a prompt's last token): a view of its forward's block, not a copy
         return [None if not rows else rows[0][np.newaxis] if len(rows) == 1 else np.stack(rows) for rows in results]
+
+    def interrupt(self) -> bool:
+        """Stop the step in flight at the next node of its forward (or the next step at its
+        first): it raises Interrupted, and each sequence holds the ubatches that finished. Any
+        thread may call this. False where the memory cannot drop a stopped ubatch (window,
+        recurrent) or the bindings lack the callback: the step runs to its end."""
+        if self._interrupt is None:
+            return False
+        self._interrupt.set()
+        return True
 
     def _decode(self, chunk: list[tuple], results: list[list[np.ndarray]]) -> None:
         n = len(chunk)
@@ -321,6 +341,9 @@ class LlamaCppEngine(Adapter):
         status = self._api.llama_decode(self._ctx, self._batch)
         if status != 0:
             self._resync_lengths(set(seqs))
+            if status == 2:
+                raise Interrupted(f"the step was interrupted; its sequences hold "
+                                  f"{', '.join(f'{seq}: {self._lengths[seq]}' for seq in sorted(set(seqs)))} positions")
             if status == 1:
                 raise NoRoom(f"llama.cpp found no room in its KV cache for {n} tokens (n_ctx {self._n_ctx}); "
                              "free or truncate sequences, or raise n_ctx")

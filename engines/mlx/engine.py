@@ -276,6 +276,10 @@ class MlxEngine(Adapter):
 
     # ----------------------------------------------------------------------------- forward
 
+    def interrupt(self) -> bool:
+        """False: MLX evaluates a step's graph to its end (a step is never stopped part-way)."""
+        return False
+
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One token each for several sequences decodes in one batched forward; anything else runs
         request by request (prefill in chunks of prefill_chunk tokens). Per request, its logits

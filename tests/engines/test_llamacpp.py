@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engines.base import StepRequest
-from engines.errors import EngineError, IdentityMismatch, NoRoom, OptionError, StateError, WrongThread
+from engines.errors import EngineError, IdentityMismatch, Interrupted, NoRoom, OptionError, StateError, WrongThread
 from engines.llamacpp import blob as blobs, library, memory
 from engines.llamacpp.engine import LlamaCppEngine
 from kvpool import pricing
@@ -351,3 +351,46 @@ def test_flash_attention_steps_keep_sequences_apart_and_give_the_same_logits(eng
     for mixed, alone in zip(together, [apart[0], apart[2], apart[1]]):
         np.testing.assert_allclose(mixed, alone, rtol=0, atol=1e-5)
     assert [engines[0].length(s) for s in (a, b, c)] == [engines[1].length(s) for s in (a2, b2, c2)]
+
+
+def test_an_interrupted_step_keeps_what_it_finished_and_the_next_step_runs(engine_for):
+    """interrupt() before a step stops it at its first node: Interrupted, the sequence as it
+    was; the flag is then down, and feeding the prompt again gives the uninterrupted logits."""
+    engine = engine_for("f32", ubatch_size=16, batch_size=64)
+    tokens = engine.tokenize(PROMPT * 3)
+    seq = engine.new_sequence()
+    engine.step([StepRequest(seq, tokens[:5], "none")])
+    assert engine.interrupt() is True
+    with pytest.raises(Interrupted, match="interrupted"):
+        engine.step([StepRequest(seq, tokens[5:], "last")])
+    assert engine.length(seq) == 5
+    resumed = engine.step([StepRequest(seq, tokens[5:], "last")])[0][0]
+    fresh = engine_for("f32", ubatch_size=16, batch_size=64)
+    whole = fresh.step([StepRequest(fresh.new_sequence(), tokens, "last")])[0][0]
+    np.testing.assert_allclose(resumed, whole, rtol=0, atol=1e-4)
+    assert engine.length(seq) == len(tokens)
+
+
+def test_an_interrupt_from_another_thread_leaves_whole_ubatches(engine_for):
+    """Stopped mid-step from another thread, a long prompt keeps the ubatches that finished
+    (a multiple of ubatch_size) and goes on from there to the same logits; a step that ended
+    before the interrupt arrived is simply complete."""
+    engine = engine_for("f32", ubatch_size=16, batch_size=512)
+    tokens = (engine.tokenize(PROMPT) * 40)[:480]
+    seq = engine.new_sequence()
+    timer = threading.Timer(0.005, engine.interrupt)
+    timer.start()
+    try:
+        engine.step([StepRequest(seq, tokens, "last")])
+        held = len(tokens)
+    except Interrupted:
+        held = engine.length(seq)
+        assert held % 16 == 0 and held < len(tokens)
+        engine.step([StepRequest(seq, tokens[held:], "last")])
+    timer.join()
+    assert engine.length(seq) == len(tokens)
+    fresh = engine_for("f32", ubatch_size=16, batch_size=512)
+    other = fresh.new_sequence()
+    whole = fresh.step([StepRequest(other, tokens + [7], "last")])[0][0]
+    engine._interrupt.clear()  # an interrupt that came after the step would stop the next one
+    np.testing.assert_allclose(engine.step([StepRequest(seq, [7], "last")])[0][0], whole, rtol=0, atol=1e-4)
