@@ -29,6 +29,7 @@ from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.errors import HostClosed
+from superfluid.host.interruption import Arrival
 from superfluid.host.log import SessionLog
 from superfluid.host.chat import TemplateRewrites
 from superfluid.host.prompts import PreparedPrompt, PromptBuilder, appended_pieces
@@ -119,17 +120,19 @@ class Host:
 
     # ----------------------------------------------------------------------------- public
 
-    def call(self, command: Callable[..., T], *args: Any) -> T:
+    def call(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> T:
         """Run one of `self.commands` (or any callable that must touch the engine) on the
-        scheduler thread, and return its result or raise its error. Safe from any thread."""
-        return self._scheduler.call(command, *args)
+        scheduler thread, and return its result or raise its error. Safe from any thread.
+        `arrival`: the command starts a request of this class and prompt length, which may stop
+        the step in flight if it would go first (superfluid/host/interruption.py)."""
+        return self._scheduler.call(command, *args, arrival=arrival)
 
-    def submit(self, command: Callable[..., T], *args: Any) -> concurrent.futures.Future:
+    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
         """`call` without waiting: queue the command on the scheduler thread and return its
         future (`asyncio.wrap_future` awaits it in an event loop). HostClosed if the host is
         closed; a future the scheduler never answers (it failed as the command came in) is
         found by `alive()`."""
-        return self._scheduler.submit(command, *args)
+        return self._scheduler.submit(command, *args, arrival=arrival)
 
     def alive(self) -> bool:
         """True while the scheduler thread runs (False once closed or failed)."""

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from time import perf_counter  # a step's duration (the tests time their fake engine's steps here)
 from typing import Any, TypeVar
 
-from engines.errors import EngineError, NoRoom
+from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
+from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
@@ -86,6 +87,7 @@ class Scheduler:
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
+        self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
         self._commands: queue.Queue = queue.Queue()
         # when the command running now was submitted: a generation waits from there, the step in
         # flight as it came included (its first-token target and timeout count from it)
@@ -163,17 +165,20 @@ class Scheduler:
         """True while the thread runs."""
         return self.thread.is_alive()
 
-    def submit(self, command: Callable[..., T], *args: Any) -> concurrent.futures.Future:
-        """Queue `command(*args)` to run on the scheduler thread; its future."""
+    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
+        """Queue `command(*args)` to run on the scheduler thread; its future. `arrival`: the
+        command starts this request, which may stop the step in flight (hurry)."""
         if self.error is not None or self._stopping or not self.thread.is_alive():
             raise HostClosed("the host is closed" + (f" (its scheduler failed: {self.error})" if self.error else ""))
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((future, command, args, self.clock()))
+        if arrival is not None:
+            self.hurry(arrival)
         return future
 
-    def call(self, command: Callable[..., T], *args: Any) -> T:
+    def call(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> T:
         """Run `command(*args)` on the scheduler thread and return its result (or raise its error)."""
-        future = self.submit(command, *args)
+        future = self.submit(command, *args, arrival=arrival)
         while not concurrent.futures.wait([future], timeout=0.5).done:
             if not self.thread.is_alive() and not future.done():  # it ended (failed) as this call came in
                 raise HostClosed("the host's scheduler stopped before answering"
@@ -234,7 +239,8 @@ class Scheduler:
                          len(sessions.durable), len(kv.lanes), len(self.active), waiting=self.waiting(),
                          parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
                          cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
-                         cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes)
+                         cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
+                         interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds)
 
     def _announce(self, force: bool = False) -> None:
         """Publish the statistics where due, then tell the generations that ended (after close
@@ -390,15 +396,30 @@ class Scheduler:
         context, cells = self.descriptor.context_length, self.kv.cells_total
         return min(context, cells) if context and cells else context or cells
 
+    def hurry(self, arrival: Arrival) -> None:
+        """A request was just queued (from any thread): stop the step in flight if the request
+        would go before what it feeds and the step has barely begun (interruption.py)."""
+        if worth_interrupting(self.in_flight, arrival, perf_counter()):
+            self.engine.interrupt()
+
     def _step(self, requests: list) -> None:
         if not requests:
             return
         began = perf_counter()
+        self.in_flight = self._in_flight(requests, began)
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
             self._no_room([live for live, _ in requests])
             return
+        except Interrupted:  # for a request that goes first; the lanes keep what was finished
+            self.counters.interrupted_steps += 1
+            self.counters.interrupted_seconds += perf_counter() - began
+            for live, _ in requests:
+                self.kv.resync(live)
+            return
+        finally:
+            self.in_flight = None
         self._measure(requests, perf_counter() - began)
         # The step's records go to the log in one write, and only then do readers hear of its
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
@@ -441,6 +462,15 @@ class Scheduler:
             return False
         parked = live.state.parked[1] if live.state.parked is not None else 0
         return live.kv - parked >= self.policy.checkpoint_tokens
+
+    def _in_flight(self, requests: list, began: float) -> StepInFlight | None:
+        """What the thread queueing a request needs to know of this step (None: it feeds no
+        prompt, or its time cannot be predicted yet)."""
+        prompts = [(live.job.priority, live.pending) for live, request in requests if live.pending > 1]
+        predicted = self.planner.costs.seconds_for(sum(len(request.tokens) for _, request in requests))
+        if not prompts or predicted is None:
+            return None
+        return StepInFlight(began, predicted, min(prompts))
 
     def _measure(self, requests: list, seconds: float) -> None:
         """Fold a step's time into the measured step costs, by the tokens it carried."""

@@ -31,6 +31,8 @@ class Counters:
     preemptions: int = 0  # running generations swapped out to the pool to make room
     idle_parks: int = 0  # idle lanes parked to free the engine's cells
     rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
+    interrupted_steps: int = 0  # steps stopped part-way for a request that went first
+    interrupted_seconds: float = 0.0  # and how long they had run (the work thrown away, at most)
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -63,6 +65,8 @@ class HostStats(msgspec.Struct, frozen=True):
     cells_reserved: int = 0  # cells admitted generations may still write
     cell_price: int = 0  # bytes of KV per cell
     pool_budget_bytes: int = 0  # the pool's export budget
+    interrupted_steps: int = 0  # steps stopped part-way for a request that went first
+    interrupted_seconds: float = 0.0  # how long those steps had run
 
 
 class Publisher:

@@ -27,6 +27,7 @@ from typing import Any
 from superfluid import __version__
 from superfluid.host import sampling as sampler
 from superfluid.host.errors import HostClosed, SessionNotFound
+from superfluid.host.interruption import Arrival
 from superfluid.host.request import Prompt
 from superfluid.host.session import LIVENESS_SECONDS
 from superfluid.http import api, builders, completions, responses, worker
@@ -230,10 +231,11 @@ class App:
             raise api.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                kind="authentication_error", code="invalid_api_key")
 
-    async def call(self, command: Callable, *args: Any) -> Any:
+    async def call(self, command: Callable, *args: Any, arrival: Arrival | None = None) -> Any:
         """Run `command(*args)` on the scheduler thread and await its result, never blocking the
-        loop (HostClosed if the scheduler stops before answering)."""
-        future = asyncio.wrap_future(self.host.submit(command, *args))
+        loop (HostClosed if the scheduler stops before answering). `arrival`: the command starts
+        a request that may stop the step in flight (Host.call)."""
+        future = asyncio.wrap_future(self.host.submit(command, *args, arrival=arrival))
         while True:
             done, _ = await asyncio.wait({future}, timeout=LIVENESS_SECONDS)
             if done:

@@ -18,7 +18,8 @@ import msgspec
 
 from superfluid.host.errors import GenerationTimeout
 from superfluid.host.prompts import PreparedPrompt
-from superfluid.host.request import GenerateRequest
+from superfluid.host.interruption import Arrival
+from superfluid.host.request import GenerateRequest, Priority
 from superfluid.http import api, logprobs, responses
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ async def one_shot(app: App, exchange: Exchange, request, prompt: PreparedPrompt
     steps, so one wait), then answered. The lane ends with its generation, on the scheduler
     thread, before the reply's last bytes: its KV parked in the pool for later requests with the
     same prefix. A reply cut short (the client left, an error) cancels the generation."""
-    _, generation = await app.call(app.host.commands.start_request, prompt, wanted)
+    priority = Priority.DEFAULT if wanted.priority is None else wanted.priority
+    _, generation = await app.call(app.host.commands.start_request, prompt, wanted,
+                                   arrival=Arrival(priority, len(prompt.tokens)))
     try:
         await answer(app, exchange, generation, request, chat)
     finally:

@@ -37,6 +37,8 @@ HOST_SERIES = (
     ("idle_parks", "counter", "Idle lanes parked into the pool to free engine cells.", "idle_parks"),
     ("exports", "counter", "KV exports into the pool (parks, swaps out, checkpoints).", "exports"),
     ("imports", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).", "imports"),
+    ("interrupted_steps", "counter", "Steps stopped part-way for a request that went first.", "interrupted_steps"),
+    ("interrupted_seconds", "counter", "Seconds the interrupted steps had run.", "interrupted_seconds"),
     ("rejected", "counter", "Generations answered 503: the wait queue was full or waited too long.", "rejected"),
     ("pool_bytes_used", "gauge", "Bytes the KV pool holds.", "pool_bytes_used"),
     ("pool_entries", "gauge", "Entries in the KV pool.", "pool_entries"),

@@ -10,21 +10,23 @@ tokens as alone" means every swap, fork and restore put back exactly the right s
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
 
 import pytest
 
-from engines.errors import EngineError
+from engines.errors import EngineError, Interrupted
 from superfluid import ContextFull, Host
 from superfluid.host import planner, scheduler
 from superfluid.host.churn import Churn
 from superfluid.host.errors import Overloaded
-from superfluid.host.request import GenerateRequest
+from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
+from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import SamplingError
 from tests.cellengine import CellEngine
-from tests.gate import Gate, decode_steps_of
+from tests.gate import WAIT_SECONDS, Gate, decode_steps_of
 from tests.conftest import remove_segment, unique_pool_name
 
 
@@ -36,11 +38,11 @@ def cell_host(tmp_path, clock):
     opened = []
 
     def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0),
-             gate: Gate | None = None, **options):
+             gate: Gate | None = None, engine_class: type = CellEngine, **options):
         engines = []
 
         def factory():
-            engines.append(CellEngine(cells, max_sequences=max_sequences, step_seconds=step_seconds))
+            engines.append(engine_class(cells, max_sequences=max_sequences, step_seconds=step_seconds))
             return engines[0] if gate is None else gate.wrap(engines[0])
 
         name = unique_pool_name()
@@ -623,3 +625,94 @@ def test_a_restored_state_the_engine_will_not_cut_is_prefilled_on_a_lane_of_its_
     finally:
         host.close()
         remove_segment(name)
+
+
+class StoppableCellEngine(CellEngine):
+    """A cell engine whose second step of 64 or more tokens waits until interrupt() stops it
+    (Interrupted, nothing fed) or the test lets it run (`release`): the first step measures the
+    costs a step in flight is predicted by."""
+
+    def __init__(self, cells: int, **options) -> None:
+        super().__init__(cells, **options)
+        self.held, self.interrupted, self._go = threading.Event(), threading.Event(), threading.Event()
+        self._large_steps = 0
+
+    def interrupt(self) -> bool:
+        """Stop the held step (as llama.cpp stops a forward at its next node)."""
+        self.interrupted.set()
+        self._go.set()
+        return True
+
+    def release(self) -> None:
+        """Let the held step run to its end."""
+        self._go.set()
+
+    def step(self, requests):
+        """Hold the second large step until interrupted or released; a step interrupted feeds nothing."""
+        if sum(len(request.tokens) for request in requests) >= 64:
+            self._large_steps += 1
+            if self._large_steps == 2:
+                self.held.set()
+                assert self._go.wait(WAIT_SECONDS), "the test neither interrupted nor released the step"
+        if self.interrupted.is_set():
+            self.interrupted.clear()
+            raise Interrupted("stopped for a request that goes first")
+        return super().step(requests)
+
+
+def test_a_short_arrival_stops_the_prefill_step_in_flight_and_goes_first(cell_host, monkeypatch):
+    # 5 ms a token on the engine's simulated clock: a step of 256 prompt tokens is predicted to
+    # last 1.28 s, and the arrival comes as it begins
+    host, engine = cell_host(cells=1 << 15, prefill_budget=256, step_seconds=(0.0, 0.005),
+                             engine_class=StoppableCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    short = waiting_session(host, prompt(9, 20))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
+    assert engine.held.wait(WAIT_SECONDS)
+    before = len(engine.steps)
+    chat = host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=4),
+                       arrival=Arrival(Priority.DEFAULT, 20)).result()
+    chat.collect()
+    output = long.collect()
+    short_seq, fed = engine.steps[before][0]
+    assert fed == 20  # the step after the stopped one feeds the chat's whole prompt first
+    stats = host.stats()
+    assert stats.interrupted_steps == 1 and stats.interrupted_seconds >= 0
+    assert stats.prefill_tokens == 1500 + 20  # the stopped step fed nothing, and nothing twice
+    assert short_seq not in {seq for step in engine.steps[:before] for seq, _ in step}
+    alone, _ = cell_host(cells=1 << 15, prefill_budget=256)
+    _, (again,) = start(alone, [prompt(0, 1500)], max_tokens=4)
+    assert again.collect() == output  # the long prompt's reply as without the interruption
+
+
+@pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],
+                         ids=["a longer prompt", "a less urgent class"])
+def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeypatch, arrival):
+    host, engine = cell_host(cells=1 << 15, prefill_budget=256, step_seconds=(0.0, 0.005),
+                             engine_class=StoppableCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    other = waiting_session(host, prompt(9, arrival.prompt_tokens))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
+    assert engine.held.wait(WAIT_SECONDS)
+    queued = host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=4), arrival=arrival)
+    assert not engine.interrupted.is_set()  # hurry() ran in submit, on this thread
+    engine.release()
+    queued.result().collect()
+    long.collect()
+    assert host.stats().interrupted_steps == 0
+
+
+@pytest.mark.parametrize("elapsed, arrival, expected", [
+    (0.0, Arrival(Priority.DEFAULT, 20), True),  # shorter, same class, just begun
+    (0.2, Arrival(Priority.DEFAULT, 20), True),
+    (0.3, Arrival(Priority.DEFAULT, 20), False),  # over a quarter of the step done: it runs on
+    (0.0, Arrival(Priority.DEFAULT, 900), False),  # not shorter than what the step feeds
+    (0.0, Arrival(Priority.INTERACTIVE, 5000), True),  # a more urgent class, however long
+    (0.0, Arrival(Priority.BACKGROUND, 1), False),  # a less urgent class
+])
+def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
+    flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900))
+    assert worth_interrupting(flight, arrival, 10.0 + elapsed) is expected
+    assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
+    short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900))
+    assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
