@@ -7,7 +7,8 @@ engine. Where the engine can stop a forward part-way (llama.cpp on plain KV: it 
 ubatches it finished), the thread that queues a request asks it to, when
 
 - the request would go first: its class and prompt come before every prompt the step feeds
-  (a shorter prompt of the same class, or a more urgent class), and
+  (a shorter prompt of the same class, or a more urgent class), and its prompt is short (no
+  longer than the step in flight carries; a more urgent class need not be short), and
 - the step has barely begun: at most INTERRUPT_WITHIN of its predicted time has passed, and
   at least MIN_SAVED_SECONDS of it remain. The work a stopped forward throws away is what it
   did so far; an arrival late in a step waits for its end instead. Requests that come one
@@ -44,6 +45,7 @@ class StepInFlight(NamedTuple):
     began: float  # perf_counter() when it began
     predicted: float  # its predicted seconds
     first: tuple[Priority, int]  # the most urgent prompt it feeds: (class, tokens left to feed)
+    tokens: int  # the tokens it carries
 
 
 def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float) -> bool:
@@ -52,5 +54,7 @@ def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float
         return False
     if (arrival.priority, arrival.prompt_tokens) >= flight.first:
         return False  # it would not go before what the step feeds
+    if arrival.priority == flight.first[0] and arrival.prompt_tokens > flight.tokens:
+        return False  # not a short prompt: a step of its own would take as long as this one
     elapsed = now - flight.began
     return elapsed <= INTERRUPT_WITHIN * flight.predicted and flight.predicted - elapsed >= MIN_SAVED_SECONDS

@@ -1,7 +1,9 @@
 """The step planner: what each step carries, as a token budget sized from measured step costs.
 
 Every step carries one decode token for each decoding lane first (decode is never held back by
-prefill), then prefill chunks, most urgent first, from as many prompts as fit. How many prompt
+prefill), then prefill chunks, most urgent first, from as many prompts as fit; a step that ends
+a prompt while its first token is owed carries only prompts it ends (never two such steps in a
+row). How many prompt
 tokens fit is a matter of time: a step is what every decoding lane waits for before its next
 token, and what a request arriving meanwhile waits for before its prompt goes first. So a step
 lasts at most
@@ -141,26 +143,33 @@ class Planner:
         self.policy, self.descriptor, self.urgency = policy, descriptor, urgency
         self.memory_cuts_back = memory_cuts_back  # False: checkpoints within prompts (sliding window, recurrent)
         self.costs = StepCosts()
+        self._exclusive_before = False  # the last step carried only prompts it ended
 
-    def plan(self, lanes: list[Live], room: int, now: float) -> tuple[list, list]:
-        """This step's requests for the running `lanes` within `room` free cells at time `now`
-        (the scheduler's clock): (decode, prefill) lists of (lane, StepRequest), prefill most
-        urgent first. While an interactive lane runs, other classes' prefill waits. A step that
-        ends a prompt whose first token is still owed (a request that waited for the step
-        before) carries no more than what leaves it its first-token target."""
+    def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
+        """This step's requests for the running `lanes` within `room` free cells: (decode,
+        prefill) lists of (lane, StepRequest), prefill most urgent first. While an interactive
+        lane runs, other classes' prefill waits. A step that ends a prompt while its first token
+        is owed carries no piece of a longer prompt (unless the step before did so too)."""
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         prefilling = sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending))
         seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
         prefill = self._chunks(prefilling, decode, room, seconds)
-        first = prefill[0][0] if prefill else None
-        target = self.policy.first_token_target
-        if (first is not None and target is not None and not first.job.produced
-                and len(prefill[0][1].tokens) == first.pending):
-            rest = target - (now - first.job.queued_at)
-            if seconds is None or rest < seconds:  # what it waited already comes off this step
-                prefill = self._chunks(prefilling, decode, room, max(rest, 0.0), floor=first.pending)
+        ending = any(len(request.tokens) == live.pending and not live.job.produced for live, request in prefill)
+        exclusive = ending and not self._exclusive_before and len(prefill) > 1
+        if exclusive:
+            # This step ends a prompt whose first token is owed: it carries no piece of a longer
+            # prompt, so that token comes as fast as on an idle engine (the longer prompts go on
+            # at the next step; their chunks would have run in a forward of their own anyway, so
+            # splitting the step costs them next to nothing). Never two such steps in a row: a
+            # stream of short prompts cannot hold the long ones back.
+            prefill = [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
+        self._exclusive_before = exclusive
         return decode, prefill
+
+    def step_dropped(self) -> None:
+        """The step last planned did not run (interrupted, or planned again for an arrival)."""
+        self._exclusive_before = False
 
     def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None,
                 floor: int = 0) -> list:

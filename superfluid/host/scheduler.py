@@ -88,6 +88,7 @@ class Scheduler:
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
+        self._arrived: Arrival | None = None  # the latest request hurry() heard of, for the next step
         self._commands: queue.Queue = queue.Queue()
         # when the command running now was submitted: a generation waits from there, the step in
         # flight as it came included (its first-token target and timeout count from it)
@@ -364,7 +365,7 @@ class Scheduler:
         lanes = [live for live in self.kv.lanes if live.job is not None]
         room = self._room_for_step(lanes)  # may park or preempt: the running lanes are those after it
         running = [live for live in lanes if live.seq is not None and live.job is not None]
-        return self.planner.plan(running, room, self.clock())
+        return self.planner.plan(running, room)
 
     def _room_for_step(self, lanes: list[Live]) -> int:
         """Free cells for this step: at least one per decoding lane (and one for prefill when none
@@ -398,7 +399,9 @@ class Scheduler:
 
     def hurry(self, arrival: Arrival) -> None:
         """A request was just queued (from any thread): stop the step in flight if the request
-        would go before what it feeds and the step has barely begun (interruption.py)."""
+        would go before what it feeds and the step has barely begun (interruption.py). Between
+        steps, the next step looks at it before it starts."""
+        self._arrived = arrival
         if worth_interrupting(self.in_flight, arrival, perf_counter()):
             self.engine.interrupt()
 
@@ -407,6 +410,13 @@ class Scheduler:
             return
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
+        arrived, self._arrived = self._arrived, None
+        if worth_interrupting(self.in_flight, arrived, began) if arrived is not None else False:
+            # a request that goes first came between this tick's commands and its step: plan
+            # again with it (if it was among the commands already, one plan is all this costs)
+            self.in_flight = None
+            self.planner.step_dropped()
+            return
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
@@ -415,6 +425,7 @@ class Scheduler:
         except Interrupted:  # for a request that goes first; the lanes keep what was finished
             self.counters.interrupted_steps += 1
             self.counters.interrupted_seconds += perf_counter() - began
+            self.planner.step_dropped()
             for live, _ in requests:
                 self.kv.resync(live)
             return
@@ -470,7 +481,7 @@ class Scheduler:
         predicted = self.planner.costs.seconds_for(sum(len(request.tokens) for _, request in requests))
         if not prompts or predicted is None:
             return None
-        return StepInFlight(began, predicted, min(prompts))
+        return StepInFlight(began, predicted, min(prompts), sum(len(request.tokens) for _, request in requests))
 
     def _measure(self, requests: list, seconds: float) -> None:
         """Fold a step's time into the measured step costs, by the tokens it carried."""

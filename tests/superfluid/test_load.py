@@ -197,10 +197,11 @@ def test_a_short_prompt_overtakes_long_prefills(cell_host):
     for g in generations:
         g.collect()
     seq_of = {}  # the short prompt's sequence: the one fed exactly 20 tokens at once
-    first_step = engine.steps[0]
-    assert (first_step[0][1], sum(n for _, n in first_step)) == (20, 256)  # the short one first, whole
+    first_step, second_step = engine.steps[:2]
+    assert [n for _, n in first_step] == [20]  # the short one first, whole, and alone: its first token owed
     seq_of["short"] = first_step[0][0]
-    assert all(seq != seq_of["short"] for seq, _ in first_step[1:])
+    # then its decode token beside the long prompts' chunks, within the budget
+    assert second_step[0] == (seq_of["short"], 1) and sum(n for _, n in second_step[1:]) == 256
 
 
 def on_simulated_time(monkeypatch, engine) -> None:
@@ -225,16 +226,16 @@ def test_steps_beside_a_decoding_lane_last_the_decode_step_target_without_a_runt
     # 5 ms a token: a 50 ms step holds 10 tokens, the decoding lane's one among them
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05)
     on_simulated_time(monkeypatch, engine)
-    _, generations = start(host, [prompt(0, 1003), prompt(1, 10)], max_tokens=100)
+    _, generations = start(host, [prompt(0, 1003), prompt(1, 10)], max_tokens=200)  # decoding throughout
     for g in generations:
         g.collect()
-    (short, _), (long, _) = engine.steps[0]  # the short prompt first, then what the budget has left
+    (short, fed), = engine.steps[0]  # the short prompt first, alone (its first token is owed)
+    long = engine.steps[1][1][0]
     assert fed_to(engine, short)[:1] == [10] and set(fed_to(engine, short)[1:]) == {1}
-    # unmeasured, the first step takes the whole budget; then 9 a step beside the decoding lane's
-    # token (a moving average may move the cut by one), and no runt tail: the last chunk takes
-    # what a step-sized one would have left
+    # 9 a step beside the decoding lane's token (a moving average may move the cut by one), and
+    # no runt tail: the last chunk takes what a step-sized one would have left
     chunks = prompt_chunks(fed_to(engine, long), 1003)
-    assert chunks[0] == 502 and all(8 <= n <= 10 for n in chunks[1:-1]) and len(chunks) > 40
+    assert all(8 <= n <= 10 for n in chunks[:-1]) and len(chunks) > 90
     assert planner.MIN_PREFILL_CHUNK <= chunks[-1] < 10 + planner.MIN_PREFILL_CHUNK
 
 
@@ -244,8 +245,11 @@ def test_the_targets_never_cut_prefill_below_the_smallest_chunk(cell_host, monke
     _, generations = start(host, [prompt(0, 600), prompt(1, 10)], max_tokens=30)
     for g in generations:
         g.collect()
-    long = engine.steps[0][1][0]
-    assert prompt_chunks(fed_to(engine, long), 600) == [502] + [planner.MIN_PREFILL_CHUNK] * 11 + [10]
+    long = engine.steps[1][1][0]
+    chunks = prompt_chunks(fed_to(engine, long), 600)
+    # beside the short one's 29 decode steps, the smallest chunk; then, with nobody decoding,
+    # 20 a step (the first-token target, 1 s); the tail takes what a step would have left
+    assert chunks[:29] == [planner.MIN_PREFILL_CHUNK] * 29 and set(chunks[29:-1]) == {20}
 
 
 def test_with_no_lane_decoding_a_step_lasts_the_first_token_target(cell_host, monkeypatch):
@@ -269,21 +273,20 @@ def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_c
     _, generations = start(host, [prompt(0, 1500), prompt(1, 10)], max_tokens=200)
     for g in generations:
         g.collect()
-    long = engine.steps[0][1][0]
+    long = engine.steps[1][1][0]
     chunks = prompt_chunks(fed_to(engine, long), 1500)
     # beside the short one's decoding, within the default decode-step target (0.5 s): its token and
-    # 91 of the prompt. The first sized step is guessed from the 512-token one alone (its cost
-    # per token, which hides the fixed cost: 97 tokens, 0.53 s); from then on the steps measured
-    # near that size predict it exactly.
-    assert chunks[0] == 502 and chunks[1] == 97 and all(n in (90, 91) for n in chunks[2:-1])
+    # 91 of the prompt. The first sized step is guessed from the short prompt's 10-token step
+    # alone (its cost per token, 9 ms, which counts the fixed cost ten times over: 54 tokens);
+    # from then on the steps measured near that size predict it.
+    assert chunks[0] == 54 and all(n in (90, 91) for n in chunks[2:-1])
     assert all(engine.step_seconds[0] + engine.step_seconds[1] * (n + 1) <= 0.5 + 1e-9 for n in chunks[2:-1])
 
 
-def test_the_step_that_ends_a_waiting_prompt_leaves_it_the_rest_of_its_first_token_target(cell_host, monkeypatch,
-                                                                                          clock):
+def test_the_step_that_ends_a_waiting_prompt_carries_no_piece_of_a_longer_one(cell_host, monkeypatch, clock):
     # 5 ms a token, a 1 s first-token target: a long prompt alone goes 200 tokens a step. A short
-    # one arrives during such a step and waits 0.8 s for it: its own step then lasts 0.2 s (its
-    # 10 tokens and 30 of the long one's), not a whole second.
+    # one arrives during such a step and waits for it: its own step then carries its 10 tokens
+    # alone (50 ms), not 190 of the long prompt's beside them.
     steps = itertools.count()
     gate = Gate(lambda requests: next(steps) == 2)  # the long prompt's third step, its costs measured
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=1.0, gate=gate)
@@ -297,7 +300,7 @@ def test_the_step_that_ends_a_waiting_prompt_leaves_it_the_rest_of_its_first_tok
     queued.result().collect()
     long.collect()
     carrying = next(step for step in engine.steps if any(n == 10 for _, n in step))
-    assert sorted(n for _, n in carrying) == [10, 30]
+    assert [n for _, n in carrying] == [10]
     assert any(sum(n for _, n in step) == 200 for step in engine.steps[1:4])  # before it: whole-second steps
 
 
@@ -707,12 +710,13 @@ def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeyp
     (0.2, Arrival(Priority.DEFAULT, 20), True),
     (0.3, Arrival(Priority.DEFAULT, 20), False),  # over a quarter of the step done: it runs on
     (0.0, Arrival(Priority.DEFAULT, 900), False),  # not shorter than what the step feeds
+    (0.0, Arrival(Priority.DEFAULT, 300), False),  # shorter, but longer than the step: not a short prompt
     (0.0, Arrival(Priority.INTERACTIVE, 5000), True),  # a more urgent class, however long
     (0.0, Arrival(Priority.BACKGROUND, 1), False),  # a less urgent class
 ])
 def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
-    flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900))
+    flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(flight, arrival, 10.0 + elapsed) is expected
     assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
-    short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900))
+    short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
