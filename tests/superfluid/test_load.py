@@ -720,3 +720,20 @@ def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
     assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
     short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
+
+
+def test_a_stream_of_short_prompts_cannot_hold_the_long_ones_back(cell_host):
+    # The step that ends a short prompt carries no piece of the long one; but never two such
+    # steps in a row: a short prompt arriving as the first one is answered ends in a step that
+    # feeds the long prompt too.
+    steps = itertools.count()
+    gate = Gate(lambda requests: next(steps) == 0)  # the first step: the first short prompt's, held
+    host, engine = cell_host(cells=1 << 15, prefill_budget=64, gate=gate)
+    late = waiting_session(host, prompt(8, 12))
+    _, (long, first) = start(host, [prompt(0, 1500), prompt(1, 10)], max_tokens=2)
+    chat = gate.generate_while_held(host, late, max_tokens=2)
+    for generation in (long, first, chat):
+        generation.collect()
+    first_step, second_step = ([n for _, n in step] for step in engine.steps[:2])
+    assert first_step == [10]  # the first short prompt alone
+    assert 12 in second_step and sum(second_step) == 1 + 64  # its decode token, the late prompt, the long one's chunk
