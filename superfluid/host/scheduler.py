@@ -411,7 +411,7 @@ class Scheduler:
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
         arrived, self._arrived = self._arrived, None
-        if worth_interrupting(self.in_flight, arrived, began) if arrived is not None else False:
+        if arrived is not None and worth_interrupting(self.in_flight, arrived, began):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.in_flight = None
@@ -477,11 +477,12 @@ class Scheduler:
     def _in_flight(self, requests: list, began: float) -> StepInFlight | None:
         """What the thread queueing a request needs to know of this step (None: it feeds no
         prompt, or its time cannot be predicted yet)."""
-        prompts = [(live.job.priority, live.pending) for live, request in requests if live.pending > 1]
-        predicted = self.planner.costs.seconds_for(sum(len(request.tokens) for _, request in requests))
+        prompts = [(live.job.priority, live.pending) for live, _ in requests if live.pending > 1]
+        tokens = sum(len(request.tokens) for _, request in requests)
+        predicted = self.planner.costs.seconds_for(tokens)
         if not prompts or predicted is None:
             return None
-        return StepInFlight(began, predicted, min(prompts), sum(len(request.tokens) for _, request in requests))
+        return StepInFlight(began, predicted, min(prompts), tokens)
 
     def _measure(self, requests: list, seconds: float) -> None:
         """Fold a step's time into the measured step costs, by the tokens it carried."""
