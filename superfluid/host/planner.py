@@ -3,10 +3,9 @@
 Every step carries one decode token for each decoding lane first (decode is never held back by
 prefill), then prefill chunks, most urgent first, from as many prompts as fit; a step that ends
 a prompt while its first token is owed carries only prompts it ends (never two such steps in a
-row). How many prompt
-tokens fit is a matter of time: a step is what every decoding lane waits for before its next
-token, and what a request arriving meanwhile waits for before its prompt goes first. So a step
-lasts at most
+row). How many prompt tokens fit is a matter of time: a step is what every decoding lane waits
+for before its next token, and what a request arriving meanwhile waits for before its prompt
+goes first. So a step lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
     decode_step_target      while a lane decodes (its next token waits for the step's end),
@@ -171,15 +170,14 @@ class Planner:
         """The step last planned did not run (interrupted, or planned again for an arrival)."""
         self._exclusive_before = False
 
-    def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None,
-                floor: int = 0) -> list:
+    def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None) -> list:
         """Prefill chunks for `prefilling` lanes (most urgent first) beside `decode`, in a step
-        of at most `seconds` (but at least `floor` prompt tokens)."""
+        of at most `seconds`."""
         interactive = any(live.job.priority == Priority.INTERACTIVE for live in prefilling + [l for l, _ in decode])
         # what one step can carry (the engine's batch, the free cells), and what its time allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
         budget = prefill_budget(self.costs, self.policy.prefill_budget, seconds, len(decode))
-        budget, prefill = min(max(budget, floor), limit), []
+        budget, prefill = min(budget, limit), []
         for live in prefilling:
             if budget <= 0:
                 break
