@@ -33,19 +33,13 @@ from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
 from superfluid.host import transfer
 from superfluid.host.errors import PinLimit, SuperfluidError
 from superfluid.host.lane import Live, Span
-from superfluid.host.request import Priority
+from superfluid.host.request import SHORT_FACTOR, Priority
 from superfluid.host.stats import Counters
 
 if TYPE_CHECKING:
     from superfluid.host.sessions import Sessions
 
 INTERACTIVE = Priority.INTERACTIVE
-# How much more prompt a lane being prefilled must have left than an arrival's uncached prompt for
-# the arrival to swap it out. Swapping costs a copy of the lane's KV out and back in (memcpy
-# speed, milliseconds) against the arrival's wait for seconds of prefill; the margin keeps two
-# prompts of similar length from taking each other's sequence in turn, and the long one's age
-# (short-first with aging, superfluid/host/scheduler.py) soon lets it stay.
-SHORT_FACTOR = 4
 
 
 class Source(NamedTuple):

@@ -1,11 +1,12 @@
 """The step planner: what each step carries, as a token budget sized from measured step costs.
 
 Every step carries one decode token for each decoding lane first (decode is never held back by
-prefill), then prefill chunks, most urgent first, from as many prompts as fit; a step that ends
-a prompt while its first token is owed carries only prompts it ends (never two such steps in a
-row). How many prompt tokens fit is a matter of time: a step is what every decoding lane waits
-for before its next token, and what a request arriving meanwhile waits for before its prompt
-goes first. So a step lasts at most
+prefill), then prefill chunks from as many prompts as fit: those it can end while their first
+token is owed first, then the most urgent. A step that ends such a prompt carries only prompts
+it ends, and never two such steps in a row (the one after goes by urgency alone, so a stream of
+short prompts cannot hold a long one back). How many prompt tokens fit is a matter of time: a
+step is what every decoding lane waits for before its next token, and what a request arriving
+meanwhile waits for before its prompt goes first. So a step lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
     decode_step_target      while a lane decodes (its next token waits for the step's end),
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engines.base import Descriptor, StepRequest
-from superfluid.host.request import Priority
+from superfluid.host.request import SHORT_FACTOR, Priority
 
 if TYPE_CHECKING:
     from superfluid.host.lane import Live
@@ -148,21 +149,27 @@ class Planner:
         """This step's requests for the running `lanes` within `room` free cells: (decode,
         prefill) lists of (lane, StepRequest), prefill most urgent first. While an interactive
         lane runs, other classes' prefill waits. A step that ends a prompt while its first token
-        is owed carries no piece of a longer prompt (unless the step before did so too)."""
+        is owed carries no piece of a much longer prompt (unless the step before left one out)."""
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         prefilling = sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending))
         seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
-        prefill = self._chunks(prefilling, decode, room, seconds)
-        ending = any(len(request.tokens) == live.pending and not live.job.produced for live, request in prefill)
-        exclusive = ending and not self._exclusive_before and len(prefill) > 1
+        prefill = self._chunks(prefilling, decode, room, seconds, ends_first=not self._exclusive_before)
+        ending = [len(request.tokens) for live, request in prefill
+                  if len(request.tokens) == live.pending and not live.job.produced]
+        exclusive = bool(ending) and not self._exclusive_before
         if exclusive:
             # This step ends a prompt whose first token is owed: it carries no piece of a longer
-            # prompt, so that token comes as fast as on an idle engine (the longer prompts go on
-            # at the next step; their chunks would have run in a forward of their own anyway, so
-            # splitting the step costs them next to nothing). Never two such steps in a row: a
-            # stream of short prompts cannot hold the long ones back.
-            prefill = [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
+            # prompt, nor the end of a much longer one, so that token comes as fast as on an idle
+            # engine (the longer prompts go on at the next step; their chunks would have run in a
+            # forward of their own anyway, so splitting the step costs them next to nothing).
+            # Never two such steps in a row: a stream of short prompts cannot hold the long ones
+            # back.
+            short = SHORT_FACTOR * min(ending)
+            kept = [(live, request) for live, request in prefill
+                    if len(request.tokens) == live.pending and live.pending < short]
+            prefill = kept
+            exclusive = len(kept) < len(prefilling)  # a prompt waits: the next step goes by urgency
         self._exclusive_before = exclusive
         return decode, prefill
 
@@ -170,14 +177,25 @@ class Planner:
         """The step last planned did not run (interrupted, or planned again for an arrival)."""
         self._exclusive_before = False
 
-    def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None) -> list:
+    def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None,
+                ends_first: bool) -> list:
         """Prefill chunks for `prefilling` lanes (most urgent first) beside `decode`, in a step
-        of at most `seconds`."""
+        of at most `seconds`; with `ends_first`, the prompts whose first token is owed and whose
+        rest fits go before the others."""
         interactive = any(live.job.priority == Priority.INTERACTIVE for live in prefilling + [l for l, _ in decode])
         # what one step can carry (the engine's batch, the free cells), and what its time allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
         budget = prefill_budget(self.costs, self.policy.prefill_budget, seconds, len(decode))
         budget, prefill = min(budget, limit), []
+        if ends_first:
+            # A prompt this step can end goes before one it cannot, however long the other has
+            # waited: age orders prompts that all need more steps, and must not let a long prompt
+            # near its end take the whole budget from a short one that arrived behind it (a chat
+            # would wait seconds behind an agent's last chunks). The long prompt loses nothing it
+            # is owed: the step after one that ended prompts goes back to urgency order.
+            # Among those, the shortest of each class first.
+            prefilling = sorted(prefilling, key=lambda live: (1,) if live.job.produced or live.pending > budget
+                                else (0, live.job.priority, live.pending))
         for live in prefilling:
             if budget <= 0:
                 break

@@ -19,6 +19,15 @@ import msgspec
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling
 
 
+# A prompt with at least this many times more left to feed than another is long beside it: a
+# short arrival may swap it out of its sequence (the KV manager), and a step that ends the short
+# one leaves it for the next step (the planner). Swapping costs a copy of the long one's KV out
+# and back in (memcpy speed, milliseconds), and a step of its own for the short one costs the
+# long one that step (tens of milliseconds), against the short one's wait for seconds of the
+# long one's prefill; the margin keeps prompts of similar length from taking turns.
+SHORT_FACTOR = 4
+
+
 class Priority(enum.IntEnum):
     """A generation's class, most urgent first (the value orders admission and prefill)."""
 
