@@ -2,9 +2,9 @@
 
 Every step carries one decode token for each decoding lane first (decode is never held back by
 prefill), then prefill chunks from as many prompts as fit: those it can end while their first
-token is owed first, then the most urgent. A step that ends such a prompt carries only prompts
-it ends, and never two such steps in a row (the one after goes by urgency alone, so a stream of
-short prompts cannot hold a long one back). How many prompt tokens fit is a matter of time: a
+token is owed first, then the most urgent. A step that feeds a short prompt whole carries only
+prompts it ends, none four times longer, and never two such steps in a row (the one after goes
+by urgency alone, so a stream of short prompts cannot hold a long one back). How many prompt tokens fit is a matter of time: a
 step is what every decoding lane waits for before its next token, and what a request arriving
 meanwhile waits for before its prompt goes first. So a step lasts at most
 
@@ -148,24 +148,27 @@ class Planner:
     def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
         """This step's requests for the running `lanes` within `room` free cells: (decode,
         prefill) lists of (lane, StepRequest), prefill most urgent first. While an interactive
-        lane runs, other classes' prefill waits. A step that ends a prompt while its first token
-        is owed carries no piece of a much longer prompt (unless the step before left one out)."""
+        lane runs, other classes' prefill waits. A step that feeds a prompt whole carries no
+        piece of a much longer prompt (unless the step before left one out)."""
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
         prefilling = sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending))
         seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
         prefill = self._chunks(prefilling, decode, room, seconds, ends_first=not self._exclusive_before)
-        ending = [len(request.tokens) for live, request in prefill
-                  if len(request.tokens) == live.pending and not live.job.produced]
-        exclusive = bool(ending) and not self._exclusive_before
+        # prompts this step feeds whole, from their first token to their last
+        whole = [len(request.tokens) for live, request in prefill
+                 if len(request.tokens) == live.pending and not live.job.produced and not live.job.prefilled]
+        exclusive = bool(whole) and not self._exclusive_before
         if exclusive:
-            # This step ends a prompt whose first token is owed: it carries no piece of a longer
-            # prompt, nor the end of a much longer one, so that token comes as fast as on an idle
-            # engine (the longer prompts go on at the next step; their chunks would have run in a
+            # This step carries a short prompt whole: it carries no piece of a longer prompt, nor
+            # the end of a much longer one, so its first token comes as fast as on an idle engine
+            # (the longer prompts go on at the next step; their chunks would have run in a
             # forward of their own anyway, so splitting the step costs them next to nothing).
-            # Never two such steps in a row: a stream of short prompts cannot hold the long ones
-            # back.
-            short = SHORT_FACTOR * min(ending)
+            # The last chunk of a prompt fed over several steps earns no such step: what it
+            # would save is small beside what that prompt has waited already, and the step
+            # would carry little. Never two such steps in a row: a stream of short prompts
+            # cannot hold the long ones back.
+            short = SHORT_FACTOR * min(whole)
             kept = [(live, request) for live, request in prefill
                     if len(request.tokens) == live.pending and live.pending < short]
             prefill = kept

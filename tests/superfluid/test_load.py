@@ -769,3 +769,15 @@ def test_the_step_that_ends_a_short_prompt_leaves_the_end_of_a_much_longer_one_t
     for generation in (long, chat):
         generation.collect()
     assert [[n for _, n in step] for step in engine.steps[22:25]] == [[64], [5], [1, 28]]
+
+
+def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_prompt(cell_host):
+    # Only a prompt fed whole earns a step of its own: the tail of one fed over many steps
+    # (40 of 1,000 here) leaves the rest of the step to the prompt behind it.
+    host, engine = cell_host(cells=1 << 15, prefill_budget=64)
+    _, generations = start(host, [prompt(0, 1000), prompt(1, 1500)], max_tokens=1)
+    for generation in generations:
+        generation.collect()
+    fed = [sum(n for _, n in step) for step in engine.steps]
+    assert sum(fed) == 2500 and all(n >= 64 for n in fed[:-1])
+    assert [40, 24] in [[n for _, n in step] for step in engine.steps]
