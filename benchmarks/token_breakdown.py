@@ -78,14 +78,14 @@ def measure(host: Host, requests: int, tokens: int, lanes: bool) -> dict[str, fl
     """Milliseconds per generated token of each part, for `requests` generations at once."""
     scheduler = host._scheduler
     timers = Timers()
-    timers.thread = scheduler.thread
+    timers.thread = host._thread.thread
     timers.wrap(scheduler.engine, "step", "engine step")
     timers.wrap(scheduler_module.sampler, "sample", "sample")
     timers.wrap(scheduler.sessions, "commit", "commit")
     timers.wrap(scheduler.log, "sync_soon", "sync (handed to the log's syncer thread)")
     timers.wrap(scheduler.log, "_write", "log write (one per tick)")
     timers.wrap(scheduler.engine, "detokenize", "detokenize")
-    for name in ("_plan", "_admit", "_end_cancelled_and_late", "_announce"):
+    for name in ("_plan", "_admit", "_end_cancelled_and_late", "announce"):
         timers.wrap(scheduler, name, name.strip("_").replace("_", " "))
     timers.wrap(scheduler.kv, "park_idle", "park idle")
     timers.wrap(scheduler.kv, "relieve_pressure", "relieve pressure")

@@ -14,7 +14,7 @@ from superfluid.host.lane import Job, Live
 from superfluid.host.prompts import PreparedPrompt
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import Sampling
-from superfluid.host.scheduler import Scheduler
+from superfluid.host.engine_thread import EngineThread
 from superfluid.host.session import Generation, SessionInfo
 from superfluid.host.stats import HostStats
 from superfluid.host.stream import TextStream
@@ -23,8 +23,9 @@ from superfluid.host.stream import TextStream
 class Commands:
     """The scheduler-thread side of every session call."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, thread: EngineThread) -> None:
+        self.thread = thread
+        self.scheduler = scheduler = thread.scheduler
         self.sessions, self.kv, self.counters = scheduler.sessions, scheduler.kv, scheduler.counters
         self.engine, self.descriptor = scheduler.engine, scheduler.descriptor
 
@@ -62,7 +63,7 @@ class Commands:
     def close(self) -> None:
         """End every generation, park every lane, close the log, the engine and the pool."""
         scheduler = self.scheduler
-        scheduler.stop()  # commands queued behind this one are refused
+        self.thread.stop()  # commands queued behind this one are refused
         try:
             for live in list(self.sessions):
                 if live.job is not None:
@@ -125,8 +126,8 @@ class Commands:
         tokens = live.state.tokens
         self.kv.cut(live, len(tokens) - 1)  # the last token's logits are needed
         generation = Generation(live.state.id)
-        generation._alive = self.scheduler.alive
-        now = self.scheduler.arrived  # (the caller's wait for the step in flight counts)
+        generation._alive = self.thread.alive
+        now = self.thread.arrived  # (the caller's wait for the step in flight counts)
         job = Job(generation, request, request.settings(live.state.sampling),
                   request.priority if request.priority is not None else Priority.named(live.state.priority),
                   TextStream(list(request.stop)), None if request.timeout is None else now + request.timeout,

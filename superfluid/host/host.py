@@ -28,6 +28,7 @@ from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available,
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
+from superfluid.host.engine_thread import EngineThread
 from superfluid.host.errors import HostClosed
 from superfluid.host.interruption import Arrival
 from superfluid.host.log import SessionLog
@@ -99,14 +100,15 @@ class Host:
         self._scheduler = Scheduler(engine_factory, lambda descriptor: _open_pool(pool_name, pool_bytes, descriptor,
                                                                                   export_budget),
                                     self._log, self._counters, policy, clock=clock)
+        self._thread = EngineThread(self._scheduler)
         try:
-            self._scheduler.start()
+            self._thread.start()
         except BaseException:
             self._log.close()
             raise
         self.descriptor = self._scheduler.descriptor
         self.pool = self._scheduler.pool
-        self.commands = Commands(self._scheduler)
+        self.commands = Commands(self._thread)
         # Prompts are built on the caller's thread where the engine has a tokenizer for any
         # thread (both runtimes do); an adapter without one tokenizes on the scheduler thread.
         engine = self._scheduler.engine
@@ -125,18 +127,18 @@ class Host:
         scheduler thread, and return its result or raise its error. Safe from any thread.
         `arrival`: the command starts a request of this class and prompt length, which may stop
         the step in flight if it would go first (superfluid/host/interruption.py)."""
-        return self._scheduler.call(command, *args, arrival=arrival)
+        return self._thread.call(command, *args, arrival=arrival)
 
     def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
         """`call` without waiting: queue the command on the scheduler thread and return its
         future (`asyncio.wrap_future` awaits it in an event loop). HostClosed if the host is
         closed; a future the scheduler never answers (it failed as the command came in) is
         found by `alive()`."""
-        return self._scheduler.submit(command, *args, arrival=arrival)
+        return self._thread.submit(command, *args, arrival=arrival)
 
     def alive(self) -> bool:
         """True while the scheduler thread runs (False once closed or failed)."""
-        return self._scheduler.alive()
+        return self._thread.alive()
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """`prompt` (chat messages or a text) rendered and tokenized for a one-shot request
@@ -202,27 +204,27 @@ class Host:
         server's /health and /metrics read (HostClosed once the scheduler has stopped)."""
         published = self._scheduler.publisher.latest
         if published is None or not self.alive():
-            raise HostClosed("the host is closed" + (f" (its scheduler failed: {self._scheduler.error})"
-                                                     if self._scheduler.error else ""))
+            raise HostClosed("the host is closed" + (f" (its scheduler failed: {self._thread.error})"
+                                                     if self._thread.error else ""))
         return published
 
     def close(self, *, remove_pool: bool = False) -> None:
         """Park every live lane, sync and close the log, release the engine and the pool. Its
         segment stays for the next Host unless `remove_pool` (then parked KV is gone, and a
         restarted Host prefills its sessions from the log). Idempotent."""
-        scheduler = self._scheduler
+        thread = self._thread
         closed = False
-        if scheduler.error is None and scheduler.alive():
+        if thread.error is None and thread.alive():
             try:
                 self.call(self.commands.close)
                 closed = True
             except HostClosed:
                 pass  # it failed meanwhile: closed below as a failed one
             finally:
-                scheduler.stop()
-                scheduler.thread.join()
+                thread.stop()
+                thread.join()
         if not closed:  # the scheduler failed: what it could not close, once it has ended
-            scheduler.thread.join()
+            thread.join()
             self._log.close()
             try:
                 self.pool.close()  # idempotent

@@ -1,7 +1,7 @@
-"""The scheduler: the one thread that owns an engine, and the ticks it runs.
+"""The scheduler: what the engine's thread does with the engine, one tick at a time.
 
-Every public call reaches it as a command (a callable and its arguments, answered through a
-`concurrent.futures.Future`); between commands it runs ticks while any generation is active:
+The thread (superfluid/host/engine_thread.py) runs the commands other threads queue, then a tick
+while any generation is active:
 
     1. run the commands that arrived (appends, new generations, forks, trims, deletes)
     2. end cancelled and timed-out generations; refuse those that waited past max_wait_seconds
@@ -11,10 +11,10 @@ Every public call reaches it as a command (a callable and its arguments, answere
     4. park idle lanes (the KV manager: past idle_park_seconds, or at once in a unified cache
        while others generate), after admission so that a waiting generation may fork them first
     5. one packed step, planned as a token budget (superfluid/host/planner.py): a decode token for
-       every decoding lane (never held back by prefill), then prefill chunks, most urgent first,
-       as many as the measured step costs fit within the first-token target (and the decode-step
-       target while a lane decodes), the prefill budget and the free cells; while an interactive
-       lane runs, other classes' prefill waits
+       every decoding lane (never held back by prefill), then prefill chunks (prompts the step
+       can end first, then the most urgent), as many as the measured step costs fit within the
+       first-token target (and the decode-step target while a lane decodes), the prefill budget
+       and the free cells; while an interactive lane runs, other classes' prefill waits
     6. sample and commit each lane's token, checkpoint lanes that committed enough tokens since
        they were last parked; the step's log records go out in one write, then its pieces to
        their readers
@@ -23,21 +23,18 @@ Every public call reaches it as a command (a callable and its arguments, answere
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter  # a step's duration (the tests time their fake engine's steps here)
-from typing import Any, TypeVar
+from typing import Any
 
 from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
-from superfluid.host.errors import ContextFull, GenerationTimeout, HostClosed, Overloaded
+from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
@@ -47,11 +44,9 @@ from superfluid.host.session import Generation, Piece
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher
 
-IDLE_WAIT = 0.05  # seconds a scheduler with nothing to do waits for a command
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,8 @@ class Policy:
 
 
 class Scheduler:
-    """Owns one engine on its own thread; everything that touches the engine runs here."""
+    """Everything the engine's thread does with one engine: the queue of generations, the plan
+    and the step. Nothing here may be called from another thread, except `hurry`."""
 
     def __init__(self, open_engine: Callable[[], Any], open_pool: Callable[[Any], Pool], log: SessionLog,
                  counters: Counters, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,32 +85,19 @@ class Scheduler:
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
         self._arrived: Arrival | None = None  # the latest request hurry() heard of, for the next step
-        self._commands: queue.Queue = queue.Queue()
-        # when the command running now was submitted: a generation waits from there, the step in
-        # flight as it came included (its first-token target and timeout count from it)
-        self.arrived = clock()
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
-        self._stopping = False
-        self.error: BaseException | None = None
-        self._ready = threading.Event()
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
-        self.thread = threading.Thread(target=self._run, name="superfluid-scheduler", daemon=True)
 
     def next_order(self) -> int:
         """A number larger than every one handed out before (arrival and recency order)."""
         return next(self._order)
 
-    # ----------------------------------------------------------------------------- thread
+    # ----------------------------------------------------------------------------- engine
 
-    def start(self) -> None:
-        """Start the thread and wait until the engine and the pool are open (re-raising their error)."""
-        self.thread.start()
-        self._ready.wait()
-        if self.error is not None:
-            raise self.error
-
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Open the engine, the pool, and the owners of sessions, KV and the plan (on the thread
+        that will run every later call)."""
         self.engine = self._open_engine()
         try:
             self.descriptor = self.engine.describe()
@@ -133,95 +116,29 @@ class Scheduler:
         self.kv.urgency = self.urgency
         self.planner = Planner(policy, self.descriptor, self.kv.memory.kind == "kv", self.urgency)
 
-    def _run(self) -> None:
-        try:
-            self._open()
-        except BaseException as exc:  # handed to start(), which re-raises it in the caller
-            self.error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            while not self._stopping:
-                self._drain(block=not self.active)
-                if self.active:
-                    self.tick()
-                elif not self._stopping:
-                    self.kv.park_idle(self.clock(), generating=False)
-                    self.log.sync_soon()  # what idle commands wrote (the "tick" policy's idle tick)
-                self._announce()
-                self.ticks += 1
-                if self.policy.churn is not None and not self._stopping:
-                    self.policy.churn.after_tick(self.ticks, self.kv, self.sessions)
-        except BaseException as exc:  # the engine or the pool failed: every waiter hears of it
-            self.error = exc
-            self._fail_all(exc)
-        finally:
-            self.publisher.tell_ended()
-            self._drain(block=False, refuse=True)
-            self.engine.close()  # idempotent; after a clean close this does nothing
-            self.engine.release_thread()  # this thread ends: what the runtime keeps for it goes too
+    def release_engine(self) -> None:
+        """Close the engine (idempotent: after a clean close this does nothing) and let go of what
+        the runtime keeps for this thread, which ends."""
+        self.engine.close()
+        self.engine.release_thread()
 
-    def alive(self) -> bool:
-        """True while the thread runs."""
-        return self.thread.is_alive()
+    def idle(self) -> None:
+        """A round with no generation active: park idle lanes, and sync what idle commands wrote
+        (the "tick" policy's idle tick)."""
+        self.kv.park_idle(self.clock(), generating=False)
+        self.log.sync_soon()
 
-    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
-        """Queue `command(*args)` to run on the scheduler thread; its future. `arrival`: the
-        command starts this request, which may stop the step in flight (hurry)."""
-        if self.error is not None or self._stopping or not self.thread.is_alive():
-            raise HostClosed("the host is closed" + (f" (its scheduler failed: {self.error})" if self.error else ""))
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((future, command, args, self.clock()))
-        if arrival is not None:
-            self.hurry(arrival)
-        return future
+    def end_round(self, closing: bool) -> None:
+        """After each round of the thread's loop: publish the statistics where due and tell the
+        generations that ended (after close the pool and the engine are gone: nothing to
+        publish); the churn test mode moves KV on purpose."""
+        self.announce(publish=not closing)
+        self.ticks += 1
+        if self.policy.churn is not None and not closing:
+            self.policy.churn.after_tick(self.ticks, self.kv, self.sessions)
 
-    def call(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> T:
-        """Run `command(*args)` on the scheduler thread and return its result (or raise its error)."""
-        future = self.submit(command, *args, arrival=arrival)
-        while not concurrent.futures.wait([future], timeout=0.5).done:
-            if not self.thread.is_alive() and not future.done():  # it ended (failed) as this call came in
-                raise HostClosed("the host's scheduler stopped before answering"
-                                 + (f" (it failed: {self.error!r})" if self.error is not None else ""))
-        return future.result()
-
-    def _drain(self, block: bool, refuse: bool = False) -> None:
-        """Run the commands that arrived (waiting up to IDLE_WAIT for one if `block`); their
-        callers are answered after the statistics are published, so a caller that reads them next
-        sees its command's effect."""
-        answers = []
-        while True:
-            try:
-                future, command, args, self.arrived = (self._commands.get(timeout=IDLE_WAIT) if block
-                                                       else self._commands.get_nowait())
-            except queue.Empty:
-                break
-            block = False
-            if not future.set_running_or_notify_cancel():
-                continue
-            if refuse or self._stopping:  # after close: the engine, log and pool are gone
-                future.set_exception(HostClosed("the host closed before this call ran"))
-                continue
-            try:
-                answers.append((future, command(*args), None))
-            except Exception as exc:  # handed back to the caller's thread
-                answers.append((future, None, exc))
-        try:
-            if answers:
-                self._announce(force=True)
-        finally:  # the callers are answered even if publishing failed (the loop then fails everything)
-            for future, result, error in answers:
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
-
-    def stop(self) -> None:
-        """Ask the thread to end after the current command (run it as a command)."""
-        self._stopping = True
-
-    def _fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine or the pool failed: every active generation ends with `exc`."""
         for live in list(self.active):
             live.job.generation._finish("error", exc)
             live.job = None
@@ -243,10 +160,9 @@ class Scheduler:
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
                          interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds)
 
-    def _announce(self, force: bool = False) -> None:
-        """Publish the statistics where due, then tell the generations that ended (after close
-        the pool and the engine are gone: nothing to publish)."""
-        self.publisher.announce(force=force, publish=not self._stopping)
+    def announce(self, *, force: bool = False, publish: bool = True) -> None:
+        """Publish the statistics where due (`force`: now), then tell the generations that ended."""
+        self.publisher.announce(force=force, publish=publish)
 
     # ----------------------------------------------------------------------------- generations
 
