@@ -739,18 +739,25 @@ def test_a_stream_of_short_prompts_cannot_hold_the_long_ones_back(cell_host):
     assert 12 in second_step and sum(second_step) == 1 + 64  # its decode token, the late prompt, the long one's chunk
 
 
+def short_prompt_behind_a_long_one(cell_host, held_step: int, short_tokens: int):
+    """A 1,500-token prompt fed 64 tokens a step, and a prompt of `short_tokens` queued while its
+    step number `held_step` (from 0) is held; both generate 2 tokens. (engine, long, short)."""
+    steps = itertools.count()
+    gate = Gate(lambda requests: next(steps) == held_step)
+    host, engine = cell_host(cells=1 << 15, prefill_budget=64, gate=gate)
+    late = waiting_session(host, prompt(8, short_tokens))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=2)
+    short = gate.generate_while_held(host, late, max_tokens=2)
+    for generation in (long, short):
+        generation.collect()
+    return engine, long, short
+
+
 def test_a_short_prompt_is_not_held_behind_a_long_one_that_aged_near_its_end(cell_host):
     # Aging makes a long prompt more urgent than a fresh short one once enough has been fed since
     # it arrived (here 1,408 of its 1,500 tokens: 92 left, less 140.8 of age, against the short
     # one's 12). It still must not take the whole step from a prompt that step could end.
-    steps = itertools.count()
-    gate = Gate(lambda requests: next(steps) == 21)  # 22 steps of 64: 1,408 tokens fed
-    host, engine = cell_host(cells=1 << 15, prefill_budget=64, gate=gate)
-    late = waiting_session(host, prompt(8, 12))
-    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=2)
-    chat = gate.generate_while_held(host, late, max_tokens=2)
-    for generation in (long, chat):
-        generation.collect()
+    engine, long, _ = short_prompt_behind_a_long_one(cell_host, 21, 12)  # 22 steps of 64: 1,408 fed
     assert [n for _, n in engine.steps[21]] == [64]
     assert [n for _, n in engine.steps[22]] == [12]  # the short prompt, at once and alone
     assert [n for _, n in engine.steps[23]] == [1, 64]  # then the long one's chunk, beside its token
@@ -760,14 +767,7 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_that_aged_near_its_end(cel
 def test_the_step_that_ends_a_short_prompt_leaves_the_end_of_a_much_longer_one_to_the_next(cell_host):
     # Both prompts end in one step of 64 (the long one's last 28 tokens, the short one's 5); the
     # short one's first token must not wait for 28 tokens more than four times its own.
-    steps = itertools.count()
-    gate = Gate(lambda requests: next(steps) == 22)  # 23 steps of 64: 1,472 of 1,500 fed
-    host, engine = cell_host(cells=1 << 15, prefill_budget=64, gate=gate)
-    late = waiting_session(host, prompt(8, 5))
-    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=2)
-    chat = gate.generate_while_held(host, late, max_tokens=2)
-    for generation in (long, chat):
-        generation.collect()
+    engine, _, _ = short_prompt_behind_a_long_one(cell_host, 22, 5)  # 23 steps of 64: 1,472 fed
     assert [[n for _, n in step] for step in engine.steps[22:25]] == [[64], [5], [1, 28]]
 
 
