@@ -60,7 +60,8 @@ class EngineThread:
         """Wait for the thread to end (after `stop`, or a failure)."""
         self.thread.join()
 
-    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
+    def submit(self, command: Callable[..., T], *args: Any,
+               arrival: Arrival | None = None) -> concurrent.futures.Future:
         """Queue `command(*args)` to run on the thread; its future. `arrival`: the command starts
         this request, which may stop the step in flight."""
         if self.error is not None or self._stopping or not self.thread.is_alive():

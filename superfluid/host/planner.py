@@ -4,9 +4,10 @@ Every step carries one decode token for each decoding lane first (decode is neve
 prefill), then prefill chunks from as many prompts as fit: those it can end while their first
 token is owed first, then the most urgent. A step that feeds a short prompt whole carries only
 prompts it ends, none four times longer, and never two such steps in a row (the one after goes
-by urgency alone, so a stream of short prompts cannot hold a long one back). How many prompt tokens fit is a matter of time: a
-step is what every decoding lane waits for before its next token, and what a request arriving
-meanwhile waits for before its prompt goes first. So a step lasts at most
+by urgency alone, so a stream of short prompts cannot hold a long one back). How many prompt
+tokens fit is a matter of time: a step is what every decoding lane waits for before its next
+token, and what a request arriving meanwhile waits for before its prompt goes first. So a step
+lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
     decode_step_target      while a lane decodes (its next token waits for the step's end),
@@ -152,7 +153,8 @@ class Planner:
         piece of a much longer prompt (unless the step before left one out)."""
         decode = [(live, StepRequest(live.seq, live.state.tokens[live.kv:], "last")) for live in lanes
                   if live.pending == 1]
-        prefilling = sorted((live for live in lanes if live.pending > 1), key=lambda live: self.urgency(live, live.pending))
+        prefilling = sorted((live for live in lanes if live.pending > 1),
+                            key=lambda live: self.urgency(live, live.pending))
         seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
         prefill = self._chunks(prefilling, decode, room, seconds, ends_first=not self._exclusive_before)
         # prompts this step feeds whole, from their first token to their last
@@ -195,8 +197,8 @@ class Planner:
             # waited: age orders prompts that all need more steps, and must not let a long prompt
             # near its end take the whole budget from a short one that arrived behind it (a chat
             # would wait seconds behind an agent's last chunks). The long prompt loses nothing it
-            # is owed: the step after one that ended prompts goes back to urgency order.
-            # Among those, the shortest of each class first.
+            # is owed: the step after one that fed a short prompt alone goes by urgency order.
+            # Among those it can end, the shortest of each class first.
             prefilling = sorted(prefilling, key=lambda live: (1,) if live.job.produced or live.pending > budget
                                 else (0, live.job.priority, live.pending))
         for live in prefilling:
