@@ -40,7 +40,7 @@ from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog, Trimmed
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
-from superfluid.host.session import Generation, Piece
+from superfluid.host.session import Generation, Piece, Wakes, wake_readers
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher
 
@@ -357,8 +357,10 @@ class Scheduler:
             outbox = self._outbox
         finally:
             self._outbox = None
+        wakes: Wakes = {}
         for generation, piece in outbox:
-            generation._put(piece)
+            generation._put(piece, wakes)
+        wake_readers(wakes)  # each reader's loop woken once for the whole step
 
     def _commit_step(self, requests: list, results: list) -> None:
         """Count what a step fed, sample and commit each lane's next token, checkpoint."""

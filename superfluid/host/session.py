@@ -54,6 +54,26 @@ class _Finished(NamedTuple):
     error: BaseException | None
 
 
+# What a step wakes: each event loop's readers that wait for a piece, by loop.
+Wakes = dict
+
+
+def wake_readers(wakes: Wakes) -> None:
+    """From the scheduler thread, wake the async readers in `wakes` ({loop: [event, ...]}): one
+    call into each loop (one write to its self-pipe) for all of its readers. On 2 cores each
+    wake takes a core from the forward in flight, so a step's pieces wake each loop once."""
+    for loop, events in wakes.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:
+            pass  # the loop has closed: nobody reads any more
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
 class Generation:
     """A running generation: iterate it for pieces (it ends when the generation does), with
     `for` in a thread or `async for` in an event loop (no thread waits for it then).
@@ -72,25 +92,31 @@ class Generation:
         self.prompt_tokens = 0  # tokens the model read before its first output token
         self.cached_tokens = 0  # of those, how many came from cache instead of a prefill
         self._alive = lambda: True
-        self._wake: Callable[[], None] | None = None  # an async reader's: called after a put it waits for
+        # an async reader's loop and the event a put it waits for sets (None: read from a thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrived: asyncio.Event | None = None
         self._waiting = False  # the async reader may be waiting: the next put wakes it
 
     # -- the scheduler's side
-    def _put(self, piece: Piece) -> None:
+    def _put(self, piece: Piece, wakes: Wakes | None = None) -> None:
+        """Queue `piece` for the reader; with `wakes`, an async reader's wake-up is added there
+        (the caller wakes a step's readers together) instead of made now."""
         self._queue.put(piece)
-        self._woken()
+        self._woken(wakes)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self._queue.put(_Finished(reason, error))
-        self._woken()
+        self._woken(None)
 
-    def _woken(self) -> None:
+    def _woken(self, wakes: Wakes | None) -> None:
         # Only a reader that may be waiting is woken (each wake is a write to the event loop's
         # self-pipe): one that is busy with earlier pieces looks at the queue before it waits.
-        wake = self._wake
-        if wake is not None and self._waiting:
+        if self._loop is not None and self._waiting:
             self._waiting = False
-            wake()
+            if wakes is None:
+                wake_readers({self._loop: [self._arrived]})
+            else:
+                wakes.setdefault(self._loop, []).append(self._arrived)
 
     # -- the application's side
     def cancel(self) -> None:
@@ -110,20 +136,12 @@ class Generation:
             return self._accept(item, StopIteration)
 
     def __aiter__(self) -> AsyncIterator[Piece]:
-        loop = asyncio.get_running_loop()
-        arrived = asyncio.Event()
-
-        def wake() -> None:  # on the scheduler thread: hand the news to the loop
-            try:
-                loop.call_soon_threadsafe(arrived.set)
-            except RuntimeError:
-                pass  # the loop has closed: nobody reads any more
-
-        self._arrived, self._wake = arrived, wake
+        self._arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         return self
 
     async def __anext__(self) -> Piece:
-        if self._wake is None:  # read without `async for`
+        if self._loop is None:  # read without `async for`
             self.__aiter__()
         while True:
             # cleared and marked waiting before looking, so a piece put after the look still

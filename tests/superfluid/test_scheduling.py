@@ -121,10 +121,10 @@ def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_t
         records_per_write.append(tokens)
         write(blob)
 
-    def checked_put(generation, piece):  # a reader hears of a token only once its record is written
+    def checked_put(generation, piece, wakes=None):  # a reader hears of a token only once its record is written
         if log._batch is not None:
             early.append(piece)
-        put(generation, piece)
+        put(generation, piece, wakes)
 
     log._write = counting_write
     monkeypatch.setattr(Generation, "_put", checked_put)
