@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -54,8 +54,8 @@ class _Finished(NamedTuple):
     error: BaseException | None
 
 
-# What a step wakes: each event loop's readers that wait for a piece, by loop.
-Wakes = dict
+# What a step wakes: the events of the async readers waiting for a piece, by their event loop.
+Wakes = dict[asyncio.AbstractEventLoop, list[asyncio.Event]]
 
 
 def wake_readers(wakes: Wakes) -> None:
