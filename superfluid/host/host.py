@@ -78,7 +78,8 @@ class Host:
         every decoding lane, then prompt chunks (at most `prefill_budget` tokens), as many as the
         measured step costs fit in `first_token_target` seconds (what a request arriving during
         a step waits before its prompt goes first), and in `decode_step_target` seconds while a
-        lane decodes (what its next token waits); None: no bound. `engine_factory` opens
+        lane decodes for a reader of its tokens as they come (what its next token waits; a
+        generation read whole, as `Session.complete` reads it, does not bind it); None: no bound. `engine_factory` opens
         an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
         only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
         checks the KV bookkeeping as it goes (see superfluid.host.churn.Churn); outputs do not change.

@@ -10,7 +10,10 @@ token, and what a request arriving meanwhile waits for before its prompt goes fi
 lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
-    decode_step_target      while a lane decodes (its next token waits for the step's end),
+    decode_step_target      while a lane decodes for a reader that takes its tokens as they come
+                            (its next token waits for the step's end; a reply read whole waits
+                            only for the sum of its steps, and the prompts beside it are fed
+                            in larger chunks, which cost less per token),
 
 and carries the most tokens that the measured step costs say fit in that time (never more than
 `prefill_budget` prompt tokens, and at least MIN_PREFILL_CHUNK so that prompts always advance).
@@ -115,10 +118,10 @@ class StepCosts:
         return int(last[0] * seconds / last[1]) if last[1] > 0 else 1 << 30
 
 
-def step_seconds(first_token_target: float | None, decode_step_target: float | None, decoding: bool) -> float | None:
+def step_seconds(first_token_target: float | None, decode_step_target: float | None, streaming: bool) -> float | None:
     """How long this step may last: the first-token target, and the decode-step target while a
-    lane decodes (None: no bound)."""
-    bounds = [first_token_target] + ([decode_step_target] if decoding else [])
+    lane decodes for a reader of its tokens as they come (None: no bound)."""
+    bounds = [first_token_target] + ([decode_step_target] if streaming else [])
     bounds = [bound for bound in bounds if bound is not None]
     return min(bounds) if bounds else None
 
@@ -155,7 +158,10 @@ class Planner:
                   if live.pending == 1]
         prefilling = sorted((live for live in lanes if live.pending > 1),
                             key=lambda live: self.urgency(live, live.pending))
-        seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, bool(decode))
+        # the decode-step target binds while a lane's reader takes its tokens as they come; a reply
+        # read whole waits for the sum of its steps, not for any one of them
+        streaming = any(live.job.request.streamed for live, _ in decode)
+        seconds = step_seconds(self.policy.first_token_target, self.policy.decode_step_target, streaming)
         prefill = self._chunks(prefilling, decode, room, seconds, ends_first=not self._exclusive_before)
         # prompts this step feeds whole, from their first token to their last
         whole = [len(request.tokens) for live, request in prefill

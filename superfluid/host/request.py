@@ -54,7 +54,11 @@ PRIORITIES = tuple(str(p) for p in Priority)  # the names, most urgent first
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """How one generation runs. `sampling` holds overrides of the session's defaults (any of
-    Sampling's fields); `priority` None takes the session's class."""
+    Sampling's fields); `priority` None takes the session's class. `streamed` False says the
+    caller takes the reply whole (`Session.complete`, an HTTP request without `stream`): the time
+    between its tokens is then nobody's wait, so the decode-step target does not bound the steps
+    it decodes in (the first-token target still does), and prompts beside it are fed in the
+    larger chunks the engine runs at full speed."""
 
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -64,6 +68,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     priority: Priority | None = None
     logprobs: int | None = None  # alternatives each piece's logprobs list (None: no logprobs)
+    streamed: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

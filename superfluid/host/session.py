@@ -251,9 +251,14 @@ class Session:
         return self._host.call(self._host.commands.generate, self.id, request)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
+                 keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
                  **sampling) -> str:
-        """generate(), collected into its text."""
-        return self.generate(max_tokens, stop, timeout, **sampling).collect()
+        """generate(), collected into its text. Nobody reads its tokens one by one, so the steps
+        it decodes in are bounded by the first-token target alone (GenerateRequest.streamed)."""
+        request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
+                                     keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
+                                     streamed=False)
+        return self._host.call(self._host.commands.generate, self.id, request).collect()
 
     def fork(self) -> Session:
         """A new session with this one's tokens and messages, sharing its KV (no KV bytes copied)."""

@@ -268,12 +268,13 @@ def max_tokens_of(value: int | None) -> int:
 
 def generate_request(request: _Streamed, *, chat: bool, max_tokens: int | None) -> GenerateRequest:
     """The host's request for what `request` asks (its sampling as overrides, stops, max_tokens,
-    priority, logprobs): validated here, once, and carried unchanged into the generation's job.
-    ApiError 400 naming the field that is wrong."""
+    priority, logprobs, whether it is streamed): validated here, once, and carried unchanged into
+    the generation's job. ApiError 400 naming the field that is wrong."""
     return GenerateRequest(max_tokens=max_tokens_of(max_tokens), stop=tuple(stops_of(request)),
                            sampling=sampling_of(request),
                            ignore_eos=request.ignore_eos, logprobs=logprobs_of(request, chat=chat),
-                           priority=None if request.priority is None else Priority.named(request.priority))
+                           priority=None if request.priority is None else Priority.named(request.priority),
+                           streamed=request.stream)
 
 
 def stops_of(request: _Streamed) -> list[str]:

@@ -75,7 +75,8 @@ def start(host, prompts, **generate):
         for session in sessions:
             try:
                 out.append(host.commands.generate(session.id, GenerateRequest.of(
-                    max_tokens=generate.get("max_tokens", 16), ignore_eos=True, priority=generate.get("priority"))))
+                    max_tokens=generate.get("max_tokens", 16), ignore_eos=True, priority=generate.get("priority"),
+                    streamed=generate.get("streamed", True))))
             except Overloaded as exc:
                 out.append(exc)
         return out
@@ -237,6 +238,22 @@ def test_steps_beside_a_decoding_lane_last_the_decode_step_target_without_a_runt
     chunks = prompt_chunks(fed_to(engine, long), 1003)
     assert all(8 <= n <= 10 for n in chunks[:-1]) and len(chunks) > 90
     assert planner.MIN_PREFILL_CHUNK <= chunks[-1] < 10 + planner.MIN_PREFILL_CHUNK
+
+
+def test_beside_a_reply_read_whole_steps_last_the_first_token_target(cell_host, monkeypatch):
+    # Nobody reads the decoding lane's tokens as they come (an HTTP request without `stream`,
+    # Session.complete): the decode-step target (50 ms, 10 tokens) does not bound the steps it
+    # decodes in; the first-token target (0.5 s: 100 tokens at 5 ms) does.
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05,
+                             first_token_target=0.5)
+    on_simulated_time(monkeypatch, engine)
+    _, generations = start(host, [prompt(0, 1003), prompt(1, 10)], max_tokens=200, streamed=False)
+    for g in generations:
+        g.collect()
+    long = engine.steps[1][1][0]
+    assert fed_to(engine, engine.steps[0][0][0])[1:20] == [1] * 19  # the short one decodes meanwhile
+    chunks = prompt_chunks(fed_to(engine, long), 1003)
+    assert all(98 <= n <= 100 for n in chunks[:-1]) and len(chunks) == 11  # 10 of 99, the 13 left
 
 
 def test_the_targets_never_cut_prefill_below_the_smallest_chunk(cell_host, monkeypatch):

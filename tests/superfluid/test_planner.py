@@ -60,7 +60,7 @@ def test_the_budget_is_never_below_the_smallest_chunk_nor_above_the_limit():
 
 
 def test_a_step_is_bounded_by_the_first_token_target_and_by_the_decode_step_target_while_decoding():
-    assert step_seconds(1.0, 0.25, decoding=False) == 1.0
-    assert step_seconds(1.0, 0.25, decoding=True) == 0.25
-    assert step_seconds(None, 0.25, decoding=False) is None
-    assert step_seconds(0.2, None, decoding=True) == 0.2
+    assert step_seconds(1.0, 0.25, streaming=False) == 1.0
+    assert step_seconds(1.0, 0.25, streaming=True) == 0.25
+    assert step_seconds(None, 0.25, streaming=False) is None
+    assert step_seconds(0.2, None, streaming=True) == 0.2

@@ -171,3 +171,13 @@ def test_an_sglang_option_that_would_change_the_answer_is_refused_by_name(field,
     error = refused(**{**ROUTER_CHAT, field: value})
     assert error.param == field and error.code == "unsupported_parameter"
     assert f"`{field}: {json.dumps(value)}`" in error.message and "SGLang" in error.message
+
+
+@pytest.mark.parametrize("kind", [api.ChatRequest, api.CompletionRequest])
+def test_a_request_without_stream_is_one_whose_reply_is_read_whole(kind):
+    # the planner lets steps beside a reply read whole run past the decode-step target
+    chat = kind is api.ChatRequest
+    body = BASE if chat else {"model": "m", "prompt": "hi"}
+    for stream in (False, True):
+        request = api.decode(json.dumps({**body, "stream": stream}).encode(), kind)
+        assert api.generate_request(request, chat=chat, max_tokens=None).streamed is stream
