@@ -101,8 +101,14 @@ class ChatTemplate:
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=generation_prompt,
                                          **self._tokens)
+        except ChatError:
+            raise  # the template's own refusal (raise_exception), in its words
         except jinja2.TemplateError as exc:
             raise ChatError(f"the chat template failed to render: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the template is the model's code: whatever it
+            # raises on these messages (a TypeError adding text to a missing field, an index past
+            # the list) is its refusal of the conversation, not a fault of the server's
+            raise ChatError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
 
     def turn(self, messages: Sequence[dict], message: dict) -> str:
         """The text `message` adds after `messages`."""

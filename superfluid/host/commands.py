@@ -9,7 +9,7 @@ sessions' state and records to `Sessions`, KV to the KV manager, generations to 
 from __future__ import annotations
 
 from engines.errors import EngineError
-from superfluid.host.errors import ContextFull, SessionBusy, SuperfluidError
+from superfluid.host.errors import ContextFull, EmptySession, SessionBusy
 from superfluid.host.lane import Job, Live
 from superfluid.host.prompts import PreparedPrompt
 from superfluid.host.request import GenerateRequest, Priority
@@ -115,7 +115,7 @@ class Commands:
         total, limit = len(live.state.tokens) + len(opening), self.scheduler.context_limit()
         name = f"session {live.state.id!r}" if live.durable else "the request"
         if not total:
-            raise SuperfluidError(f"{name} holds no tokens to generate from; append a message or text")
+            raise EmptySession(f"{name} holds no tokens to generate from; append a message or text")
         if limit and total >= limit:
             raise ContextFull(f"{name} holds {total} tokens with the assistant's opening; the engine holds at most "
                               f"{limit} for one session; trim it or start a new session")

@@ -20,6 +20,10 @@ class SessionBusy(SuperfluidError):
     """The session is already generating; one generation at a time per session."""
 
 
+class EmptySession(SuperfluidError, ValueError):
+    """A generation was asked of a session that holds no tokens: there is nothing to continue."""
+
+
 class ContextFull(SuperfluidError):
     """A session reached the engine's context length."""
 

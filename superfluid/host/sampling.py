@@ -62,12 +62,13 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         checks = (
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
-            ("top_k", self.top_k >= 0, "an integer >= 0 (0 turns it off)"),
+            ("top_k", 0 <= self.top_k < 1 << 31, "an integer in [0, 2**31) (0 turns it off; past the vocabulary, "
+             "it keeps every token)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
             ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              "a finite number > 0 (1 turns it off)"),
-            ("repetition_window", self.repetition_window >= 0, "an integer >= 0"),
+            ("repetition_window", 0 <= self.repetition_window < 1 << 31, "an integer in [0, 2**31)"),
             ("seed", 0 <= self.seed < 1 << 64, "an integer in [0, 2**64)"),
         )
         for name, ok, expected in checks:

@@ -152,6 +152,9 @@ def decode(body: bytes, kind: type) -> Any:
         fields = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's decoder stops where Python's recursion limit would be passed
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply; a request needs a few "
+                       "levels at most") from None
     if not isinstance(fields, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in fields.items():
@@ -258,19 +261,22 @@ def sampling_of(request: _Sampled) -> dict:
 DEFAULT_MAX_TOKENS = 256
 
 
-def max_tokens_of(value: int | None) -> int:
-    """A request's max_tokens (the default when absent); ApiError below 1."""
+def max_tokens_of(request: _Streamed) -> int:
+    """A request's limit on the tokens it generates: `max_completion_tokens` (chat's newer name)
+    where given, else `max_tokens`, else the default; ApiError naming the field below 1."""
+    name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
+    value = getattr(request, name)
     value = DEFAULT_MAX_TOKENS if value is None else value
     if value < 1:
-        raise ApiError(400, "`max_tokens` must be at least 1", param="max_tokens")
+        raise ApiError(400, f"`{name}` must be at least 1", param=name)
     return value
 
 
-def generate_request(request: _Streamed, *, chat: bool, max_tokens: int | None) -> GenerateRequest:
+def generate_request(request: _Streamed, *, chat: bool) -> GenerateRequest:
     """The host's request for what `request` asks (its sampling as overrides, stops, max_tokens,
     priority, logprobs, whether it is streamed): validated here, once, and carried unchanged into
     the generation's job. ApiError 400 naming the field that is wrong."""
-    return GenerateRequest(max_tokens=max_tokens_of(max_tokens), stop=tuple(stops_of(request)),
+    return GenerateRequest(max_tokens=max_tokens_of(request), stop=tuple(stops_of(request)),
                            sampling=sampling_of(request),
                            ignore_eos=request.ignore_eos, logprobs=logprobs_of(request, chat=chat),
                            priority=None if request.priority is None else Priority.named(request.priority),

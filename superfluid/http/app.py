@@ -294,8 +294,7 @@ class App:
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
-        wanted = api.generate_request(request, chat=True,
-                                      max_tokens=request.max_completion_tokens or request.max_tokens)
+        wanted = api.generate_request(request, chat=True)
         messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
         return request, self.host.prepare(Prompt(messages)), wanted
 
@@ -314,7 +313,7 @@ class App:
                 raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
                                    param="prompt")
             request.prompt = request.prompt[0]
-        wanted = api.generate_request(request, chat=False, max_tokens=request.max_tokens)
+        wanted = api.generate_request(request, chat=False)
         return request, self.host.prepare(Prompt(text=request.prompt)), wanted
 
     # ----------------------------------------------------------------------------- session routes
@@ -361,7 +360,7 @@ class App:
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
-        wanted = api.generate_request(request, chat=True, max_tokens=request.max_tokens)
+        wanted = api.generate_request(request, chat=True)
         generation = await self.call(self.host.commands.generate, session_id, wanted)
         await completions.answer(self, exchange, generation, request, chat=True)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from superfluid.http import api
-from superfluid.host.errors import (ChatError, ContextFull, HostClosed, Overloaded, PinLimit, SessionBusy,
-                                    SessionNotFound)
+from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, Overloaded, PinLimit,
+                                    SessionBusy, SessionNotFound)
 
 
 class HttpError(NamedTuple):
@@ -28,6 +28,7 @@ HTTP_ERRORS: dict[type[BaseException], HttpError] = {
     PinLimit: HttpError(409, "invalid_request_error", "pin_limit"),
     ContextFull: HttpError(400, "invalid_request_error", "context_length_exceeded"),
     ChatError: HttpError(400, "invalid_request_error", "chat_template_error"),
+    EmptySession: HttpError(400, "invalid_request_error", "empty_session"),
     # before any byte of a response: the client may retry (Retry-After says when)
     Overloaded: HttpError(503, "server_error", "overloaded"),
     HostClosed: HttpError(503, "server_error", "shutting_down"),

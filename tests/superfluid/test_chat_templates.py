@@ -116,6 +116,14 @@ def test_raise_exception_is_a_chat_error_naming_the_templates_message():
     assert template_source
 
 
+def test_whatever_a_template_raises_on_a_conversation_is_a_chat_error_naming_it():
+    # the template is the model's code: a TypeError inside it refuses these messages (a 400 over
+    # HTTP), it is not a fault of the server's (a 500)
+    template = ChatTemplate("{{ messages[0].content + 1 }}")
+    with pytest.raises(ChatError, match="TypeError"):
+        template.render(CONVERSATION)
+
+
 # Like Qwen3's: a past assistant turn loses its reasoning once a user speaks after it.
 DROPS_PAST_REASONING = (
     "{% for m in messages %}{% set content = m.content %}"

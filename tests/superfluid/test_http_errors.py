@@ -5,8 +5,8 @@ import pytest
 
 from superfluid.host.chat import TemplateRewrites
 from superfluid.http import api, responses
-from superfluid.host.errors import (ChatError, ContextFull, HostClosed, LogCorrupt, Overloaded, PinLimit,
-                                    SessionBusy, SessionNotFound)
+from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, LogCorrupt, Overloaded,
+                                    PinLimit, SessionBusy, SessionNotFound)
 
 
 @pytest.mark.parametrize("error, status, kind, code", [
@@ -15,6 +15,7 @@ from superfluid.host.errors import (ChatError, ContextFull, HostClosed, LogCorru
     (PinLimit("pinning would pass the cap"), 409, "invalid_request_error", "pin_limit"),
     (ContextFull("session 'x' holds 8192 tokens"), 400, "invalid_request_error", "context_length_exceeded"),
     (ChatError("the chat template refused the conversation"), 400, "invalid_request_error", "chat_template_error"),
+    (EmptySession("session 'x' holds no tokens"), 400, "invalid_request_error", "empty_session"),
     # a subclass is answered as its nearest listed class
     (TemplateRewrites("the template rewrites earlier turns"), 400, "invalid_request_error", "chat_template_error"),
     (Overloaded("64 generations wait", retry_after=3), 503, "server_error", "overloaded"),

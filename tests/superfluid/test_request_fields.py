@@ -180,4 +180,4 @@ def test_a_request_without_stream_is_one_whose_reply_is_read_whole(kind):
     body = BASE if chat else {"model": "m", "prompt": "hi"}
     for stream in (False, True):
         request = api.decode(json.dumps({**body, "stream": stream}).encode(), kind)
-        assert api.generate_request(request, chat=chat, max_tokens=None).streamed is stream
+        assert api.generate_request(request, chat=chat).streamed is stream

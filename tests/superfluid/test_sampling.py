@@ -38,7 +38,7 @@ def test_the_repetition_penalty_turns_away_from_recent_tokens():
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
                                           ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.0), ("repetition_penalty", 0.0),
-                                          ("seed", -1), ("seed", 1 << 64)])
+                                          ("seed", -1), ("seed", 1 << 64), ("top_k", 1 << 70), ("repetition_window", 1 << 31)])
 def test_bad_settings_are_named(field, value):
     with pytest.raises(SamplingError, match=f"sampling {field}="):
         Sampling(**{field: value})

@@ -1,0 +1,78 @@
+"""Every client mistake is a 4xx naming the field or the rule, never a 500 (which the openai
+client retries twice, and which says the server is at fault), and the server goes on.
+
+One server on a tiny model that ships Gemma 2's chat template: a template that refuses
+conversations (no system role; roles must alternate), as real models' templates do."""
+
+import json
+
+import openai
+import pytest
+
+from tests import realtemplates, tinymodels
+from tests.superfluid.served import Served
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("strict")
+    model = tinymodels.build(directory, "f32", chat_template=realtemplates.from_llama_cpp()["Gemma 2"])
+    server = Served(model.gguf, directory)
+    yield server
+    assert server.stop() == 0
+
+
+def send(server, path: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
+    status, data = server.raw(method, path, body if isinstance(body, bytes) else json.dumps(body).encode())
+    return status, json.loads(data)
+
+
+def chat_body(server, **fields) -> dict:
+    return {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"top_k": 2 ** 70}, "top_k"),  # past any vocabulary, past 64 bits
+    ({"repeat_last_n": 2 ** 70}, "repeat_last_n"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),  # not a silent fall back to max_tokens
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_a_value_out_of_range_is_a_400_naming_its_field(strict, fields, named):
+    status, body = send(strict, "/v1/chat/completions", chat_body(strict, **fields))
+    assert status == 400 and body["error"]["param"] == named and f"`{named}`" in body["error"]["message"]
+
+
+def test_json_nested_a_thousand_deep_is_a_400(strict):
+    deep = b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    status, body = send(strict, "/v1/chat/completions", deep)
+    assert status == 400 and "too deeply" in body["error"]["message"]
+    assert strict.raw("GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("messages, rule", [
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "roles must alternate"),
+    ([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}], "System role not supported"),
+])
+def test_a_conversation_the_template_refuses_is_a_400_in_the_templates_words(strict, messages, rule):
+    status, body = send(strict, "/v1/chat/completions", chat_body(strict, messages=messages))
+    assert status == 400 and body["error"]["code"] == "chat_template_error" and rule in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match=rule):  # the client sees it at once, without retrying
+        strict.client().chat.completions.create(model=strict.model, messages=messages, max_tokens=2)
+
+
+def test_session_mistakes_are_400s_and_leave_the_session_as_it_was(strict):
+    status, created = send(strict, "/v1/sessions", {})
+    assert status == 201 and created["tokens"] == 0
+    sid = created["id"]
+    status, body = send(strict, f"/v1/sessions/{sid}/generate", {"max_tokens": 2})  # nothing to continue
+    assert status == 400 and body["error"]["code"] == "empty_session" and "append" in body["error"]["message"]
+    user = {"messages": [{"role": "user", "content": "hi"}]}
+    assert send(strict, f"/v1/sessions/{sid}/messages", user)[0] == 200
+    status, body = send(strict, f"/v1/sessions/{sid}/messages", user)  # a second user turn in a row
+    assert status == 400 and "roles must alternate" in body["error"]["message"]
+    status, body = send(strict, f"/v1/sessions/{sid}/generate", {"max_tokens": 2, "top_k": 2 ** 70})
+    assert status == 400 and body["error"]["param"] == "top_k"
+    status, info = send(strict, f"/v1/sessions/{sid}", b"", method="GET")
+    assert status == 200 and info["messages"] == 1  # the refused turn left nothing behind
+    status, reply = send(strict, f"/v1/sessions/{sid}/generate", {"max_tokens": 2})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 1
