@@ -1,3 +1,3 @@
 """The `superfluid` command (main.py): `serve` (serve.py), the runtimes' commands (runtimes.py),
-the pool's and the demo. It imports the host and the HTTP face; nothing imports it.
+`log check | repair` (log.py), the pool's and the demo. It imports the host and the HTTP face; nothing imports it.
 """

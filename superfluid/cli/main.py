@@ -1,5 +1,5 @@
 """The `superfluid` command: `serve`, `runtimes`, `runtime options|versions|install`, `compat`,
-`pool ls | gc | rm` and `demo`. Exit codes: 0 normal, 1 runtime failure, 2 usage error, 3 the
+`pool ls | gc | rm`, `log check | repair` and `demo`. Exit codes: 0 normal, 1 runtime failure, 2 usage error, 3 the
 model failed to load, 4 the runtime cannot run here.
 
 MLX on a Linux CPU needs OpenBLAS loaded before MLX is (engines/mlx/blas.py). The adapter does
@@ -19,6 +19,7 @@ import sys
 from engines import registry
 from engines.mlx import blas
 from kvpool import __main__ as pool_cli
+from superfluid.cli import log as log_commands
 from superfluid.cli import runtimes as runtime_commands
 from superfluid.cli import serve
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     compat = commands.add_parser("compat", help="what this release was built and tested against")
     compat.add_argument("--json", action="store_true")
     commands.add_parser("pool", help="this user's pool segments: ls | gc | rm NAME", add_help=False)
+    log = commands.add_parser("log", help="a session log: check | repair [DIR]")
+    log_commands.add_arguments(log)
     commands.add_parser("demo", help="a tour of the shared-memory KV pool")
     args, rest = parser.parse_known_args(argv)
     if args.command == "pool":
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return runtime_commands.run(args)
     if args.command == "compat":
         return runtime_commands.compat(args.json)
+    if args.command == "log":
+        return log_commands.run(args)
     return pool_cli.main(["demo"])
 
 

@@ -22,7 +22,7 @@ from engines.llamacpp.log import LOGGER as LLAMA_LOG
 from engines.errors import ModelLoadError, OptionError, RuntimeUnavailable
 from engines.options import validate
 from kvpool import PoolBusy, PoolExists, ReservationError, host_memory_available
-from superfluid.host.errors import LogBusy
+from superfluid.host.errors import LogBusy, LogCorrupt
 from superfluid.host.host import DEFAULT_POOL_BYTES, Host
 from superfluid.http import worker
 from superfluid.http.connections import REFUSING_ROOM
@@ -314,6 +314,8 @@ def _failed(exc: BaseException) -> int:
         # is changed by a flag
         flags = "--pool-bytes" if isinstance(exc, ReservationError) else "--pool-name and --log-dir"
         code, text = EXIT_USAGE, f"{exc} (serve's flags: {flags})"
+    elif isinstance(exc, LogCorrupt):  # its message names the byte and the commands that check and repair
+        code, text = EXIT_RUNTIME, str(exc)
     elif isinstance(exc, ModelLoadError):
         code, text = EXIT_MODEL, f"the model failed to load: {exc}"
     elif isinstance(exc, RuntimeUnavailable):

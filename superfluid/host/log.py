@@ -1,7 +1,7 @@
 """The session log: a write-ahead log of every committed change to every session.
 
-Each record is a msgspec struct, msgpack-encoded and framed with its length and an xxh3-64
-checksum. Records are written before the change they describe is reported to anyone (a tick's
+Each record is a msgspec struct, msgpack-encoded and framed (log_format.py: a header that checks
+itself, the record's number within its session, an xxh3-64 digest of the payload). Records are written before the change they describe is reported to anyone (a tick's
 records in one `write`: see `batch`); syncing to disk is grouped by policy:
 
     tick     after each scheduler tick that wrote, an fsync on the log's own syncer thread, so the
@@ -10,41 +10,44 @@ records in one `write`: see `batch`); syncing to disk is grouped by policy:
     commit   fsync after every write, before anyone hears of what it wrote
     never    leave it to the kernel (a process crash keeps what was written; a power cut may not)
 
-File layout:  b"SFLOG\\0" + version (u16 LE), then frames of  length (u32 LE) | xxh3-64 (u64 LE) | payload
+On open the log replays into one state per session. A torn tail (a crash mid-write: damage with
+no intact frame after it) is cut off. Damage with intact frames after it, or a record missing
+from a session's numbering, is damage in the middle: replay refuses to start, names the byte, and
+changes nothing on disk; `superfluid log check DIR` says what a repair would keep and drop, and
+`superfluid log repair DIR` does it (log_repair.py). A log of format 1 is read and rewritten as
+format 2. Compaction rewrites the log as one snapshot per live session (deleted sessions and
+superseded records go) into a new file renamed over the old one.
 
-On open the log replays into one state per session. A torn last frame (a crash mid-write) is cut
-off; a frame that fails its checksum with more frames after it is damage in the middle, and
-replay refuses to guess. Compaction rewrites the log as one snapshot per live session (deleted
-sessions and superseded records go) into a new file renamed over the old one.
+The log holds every conversation's text: its directory is created 0700 and its files 0600, and
+none of them is opened through a symbolic link.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Union
 
 import msgspec
-import xxhash
 
-from superfluid.host.errors import LogBusy, LogCorrupt
+from superfluid.host.errors import LogCorrupt
+from superfluid.host.log_format import (FILE_HEADER, FILE_NAME, MAX_RECORD, VERSION, Damage, frame, lock_directory,
+                                        open_private, read_private, replace_private, scan, version_of)
 from superfluid.host.sampling import Sampling
 
-MAGIC = b"SFLOG\0"
-VERSION = 1
-FILE_HEADER = MAGIC + struct.pack("<H", VERSION)
-FRAME = struct.Struct("<IQ")
-MAX_RECORD = 64 << 20
 COMPACTION_FLOOR = 1 << 20  # bytes written before compaction is considered (and between two looks)
 SYNC_POLICIES = ("tick", "commit", "never")
-FILE_NAME = "sessions.log"
-LOCK_NAME = "sessions.lock"  # flock'ed by the Host using the directory (the kernel drops it with the process)
+# The most tokens one Tokens record carries (at most 5 bytes each in msgpack: 5 MiB, far below
+# the size a reader accepts): a snapshot splits a longer session's tokens.
+TOKENS_PER_RECORD = 1 << 20
+# What to do about damage in the middle of the log, said wherever it is found.
+REPAIR_ADVICE = ("Nothing was changed on disk. `superfluid log check {directory}` says what a repair keeps and "
+                 "drops; `superfluid log repair {directory}` keeps every intact record (the damaged file is kept "
+                 "beside it).")
 
 
 class Opened(msgspec.Struct, tag="open"):
@@ -119,8 +122,9 @@ class SessionState:
         """The records that recreate this state."""
         records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent)]
         records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
-        if self.tokens:
-            records.append(Tokens(self.id, 0, list(self.tokens)))
+        # a long session's tokens in several records, so none nears the size a reader accepts
+        for start in range(0, len(self.tokens), TOKENS_PER_RECORD):
+            records.append(Tokens(self.id, start, self.tokens[start:start + TOKENS_PER_RECORD]))
         if self.parked is not None:
             records.append(Parked(self.id, *self.parked))
         return records
@@ -167,6 +171,32 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
         del states[record.session]
 
 
+def decode_record(payload: bytes, where: str) -> Record:
+    """The record a frame carries; LogCorrupt when an intact frame holds no record this code knows
+    (a log another version of superfluid wrote)."""
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise LogCorrupt(f"session log{where}: an intact frame holds no record this superfluid reads ({exc}); "
+                         "was the log written by a newer superfluid?") from None
+
+
+def damaged_in_the_middle(path: Path, damage: Damage) -> str:
+    """What LogCorrupt says of damage with intact records after it."""
+    return (f"session log {path} is damaged at byte {damage.offset} (to byte {damage.end}), with intact records "
+            "after it: this is not a torn last write, and replaying around it could resume sessions wrongly. "
+            + REPAIR_ADVICE.format(directory=path.parent))
+
+
+def write_snapshot(path: Path, states, number: Callable[[Record], int]) -> None:
+    """Make the log at `path` hold one snapshot of each of `states` (numbered by `number`), atomically."""
+    frames = [FILE_HEADER]
+    for state in states:
+        for record in state.snapshot():
+            frames.append(frame(_encoder.encode(record), number(record)))
+    replace_private(path, b"".join(frames))
+
+
 class SessionLog:
     """An open session log: replayed states, appends and syncs (thread-safe)."""
 
@@ -176,15 +206,8 @@ class SessionLog:
             raise ValueError(f"log sync policy {sync!r}: use one of {', '.join(SYNC_POLICIES)}")
         self.sync_policy = sync
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / FILE_NAME
-        self._lock_fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise LogBusy(f"another Host is using the session log in {self.directory}; close it first, or give "
-                          "this one its own log_dir (and pool_name)") from None
+        self._lock_fd = lock_directory(self.directory)
         try:
             self._open()
         except BaseException:
@@ -198,77 +221,85 @@ class SessionLog:
         self._batch_thread: int | None = None
         self._syncer: _Syncer | None = None
         self.states: dict[str, SessionState] = {}
+        self._numbers: dict[str, int] = {}  # each session's number for its next record (see log_format)
         self.truncated_bytes = 0
         self.records_replayed = 0
         superseded = self._replay()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+        if os.fstat(self._fd).st_mode & 0o077:
+            os.fchmod(self._fd, 0o600)  # written before logs were kept private: every conversation is in it
         self._written_since_compaction = 0
         self._next_compaction_check = COMPACTION_FLOOR
         if superseded:
             self.compact()
 
     def _replay(self) -> bool:
-        """Read every frame; True when the log holds records a compaction would drop."""
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            self.path.write_bytes(FILE_HEADER)
-            return False
-        data = self.path.read_bytes()
-        if not data.startswith(MAGIC) or len(data) < len(FILE_HEADER):
-            raise LogCorrupt(f"{self.path} is not a superfluid session log (no {MAGIC!r} header); point log_dir at "
-                             "another directory or move the file aside")
-        (version,) = struct.unpack_from("<H", data, len(MAGIC))
-        if version != VERSION:
-            raise LogCorrupt(f"{self.path} is a session log of format {version}; this superfluid reads {VERSION}")
-        offset, count, deleted = len(FILE_HEADER), 0, False
-        while offset < len(data):
-            if len(data) - offset < FRAME.size:
-                break  # a torn frame header
-            length, digest = FRAME.unpack_from(data, offset)
-            end = offset + FRAME.size + length
-            if length > MAX_RECORD or end > len(data):
-                if length > MAX_RECORD and end < len(data):
-                    self._corrupt(offset)
-                break  # torn: the frame runs past the end
-            payload = data[offset + FRAME.size:end]
-            if xxhash.xxh3_64_intdigest(payload) != digest:
-                if end < len(data):
-                    self._corrupt(offset)
-                break  # the last frame, torn
+        """Read every frame; True when the log holds records a compaction would drop (or is of
+        format 1, which the compaction rewrites as the current one)."""
+        try:
+            data = read_private(self.path)
+        except FileNotFoundError:
+            data = b""
+        if not data:
+            fd = open_private(self.path, os.O_WRONLY | os.O_TRUNC)
             try:
-                record = _decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self._corrupt(offset)
-            deleted = deleted or isinstance(record, (Deleted, Trimmed))
-            apply(self.states, record, f" {self.path} at byte {offset}")
+                os.write(fd, FILE_HEADER)
+            finally:
+                os.close(fd)
+            return False
+        version = version_of(data, self.path)
+        count, superseded = 0, version != VERSION
+        for found in scan(data, version):
+            if isinstance(found, Damage):
+                if found.end < len(data):
+                    raise LogCorrupt(damaged_in_the_middle(self.path, found))
+                self.truncated_bytes = len(data) - found.offset  # a torn tail: cut off
+                fd = open_private(self.path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, found.offset)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                break
+            where = f" {self.path} at byte {found.offset}"
+            record = decode_record(found.payload, where)
+            if found.number is not None:
+                expected = self._numbers.get(record.session, 0)
+                if found.number != expected:
+                    raise LogCorrupt(f"session log{where}: record {found.number} of session {record.session!r} "
+                                     f"where record {expected} was due: a record is missing from the middle of the "
+                                     f"log. {REPAIR_ADVICE.format(directory=self.directory)}")
+            apply(self.states, record, where)
+            self._count(record)
+            superseded = superseded or isinstance(record, (Deleted, Trimmed))
             count += 1
-            offset = end
-        if offset < len(data):
-            self.truncated_bytes = len(data) - offset
-            with open(self.path, "r+b") as handle:
-                handle.truncate(offset)
-                os.fsync(handle.fileno())
         self.records_replayed = count
-        return deleted
+        return superseded
 
-    def _corrupt(self, offset: int):
-        raise LogCorrupt(f"session log {self.path} is damaged at byte {offset}, with records after it: this is not a "
-                         "torn last write, and replaying around it could resume sessions wrongly. Move the file aside "
-                         "(its sessions are lost) or restore it from a backup, then start again")
+    def _count(self, record: Record) -> int:
+        """The number of `record` within its session, counted as written (a deletion ends the count)."""
+        number = self._numbers.get(record.session, 0)
+        if isinstance(record, Deleted):
+            self._numbers.pop(record.session, None)
+        else:
+            self._numbers[record.session] = number + 1
+        return number
 
     def append(self, *records: Record) -> None:
         """Write `records` (one write call) and apply them to the states; fsync now if the policy
-        is "commit". Inside `batch`, on the thread that opened it, the write waits for its end."""
-        frames = []
-        for record in records:
-            payload = _encoder.encode(record)
-            frames.append(FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
-        blob = b"".join(frames)
+        is "commit". Inside `batch`, on the thread that opened it, the write waits for its end.
+        ValueError for a record over the size a reader accepts (nothing is written then)."""
+        encoded = [(record, _encoder.encode(record)) for record in records]
+        for record, payload in encoded:
+            if len(payload) > MAX_RECORD:
+                raise ValueError(f"a {type(record).__name__} record of {len(payload)} bytes for session "
+                                 f"{record.session!r} is over the log's {MAX_RECORD}-byte limit")
         with self._lock:
             self._check_all(records)  # nothing that contradicts the log is ever written to it
             if self._batch is not None and self._batch_thread == threading.get_ident():
-                self._batch.append(blob)
+                self._batch.extend(encoded)
             else:
-                self._write_and_count(blob)
+                self._write_and_count(encoded)
             for record in records:
                 apply(self.states, record)
 
@@ -288,11 +319,18 @@ class SessionLog:
             with self._lock:
                 held, self._batch, self._batch_thread = self._batch, None, None
                 if held:
-                    self._write_and_count(b"".join(held))
+                    self._write_and_count(held)
 
-    def _write_and_count(self, blob: bytes) -> None:
-        """Write `blob` (the lock held), and fsync it now under the "commit" policy."""
-        self._write(blob)
+    def _write_and_count(self, encoded: list[tuple[Record, bytes]]) -> None:
+        """Frame and write `encoded` records (the lock held), numbered in the order they reach
+        the file; fsync now under the "commit" policy."""
+        numbers = dict(self._numbers)
+        blob = b"".join(frame(payload, self._count(record)) for record, payload in encoded)
+        try:
+            self._write(blob)
+        except BaseException:
+            self._numbers = numbers  # nothing of it reached the file
+            raise
         self._written_since_compaction += len(blob)
         self._dirty = True
         if self.sync_policy == "commit":
@@ -379,25 +417,11 @@ class SessionLog:
     def compact(self) -> None:
         """Rewrite the log as one snapshot per live session, atomically (a new file renamed over it)."""
         with self._lock:
-            frames = [FILE_HEADER]
-            for state in self.states.values():
-                for record in state.snapshot():
-                    payload = _encoder.encode(record)
-                    frames.append(FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
-            temporary = self.path.with_suffix(".compacting")
-            with open(temporary, "wb") as handle:
-                handle.write(b"".join(frames))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-            directory = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            self._numbers = {}
+            write_snapshot(self.path, self.states.values(), self._count)
             if hasattr(self, "_fd"):
                 os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
             self._written_since_compaction = 0
             self._next_compaction_check = COMPACTION_FLOOR
             self._dirty = False

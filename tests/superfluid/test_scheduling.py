@@ -100,6 +100,7 @@ def test_cancelling_mid_stream_frees_the_lane_at_once(open_host, runtime):
 
 def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_them(open_host, monkeypatch):
     from superfluid.host import log as log_module
+    from superfluid.host import log_format
     from superfluid.host.request import GenerateRequest
     from superfluid.host.session import Generation
 
@@ -112,13 +113,9 @@ def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_t
     write, put = log._write, Generation._put
 
     def counting_write(blob):  # the Tokens records in each write
-        tokens, offset = 0, 0
-        while offset < len(blob):
-            length, _ = log_module.FRAME.unpack_from(blob, offset)
-            record = log_module._decoder.decode(blob[offset + log_module.FRAME.size:offset + log_module.FRAME.size + length])
-            tokens += isinstance(record, log_module.Tokens)
-            offset += log_module.FRAME.size + length
-        records_per_write.append(tokens)
+        frames = list(log_format.scan(log_format.FILE_HEADER + blob, log_format.VERSION))
+        records = [log_module.decode_record(found.payload, "") for found in frames]
+        records_per_write.append(sum(isinstance(record, log_module.Tokens) for record in records))
         write(blob)
 
     def checked_put(generation, piece, wakes=None):  # a reader hears of a token only once its record is written
