@@ -108,7 +108,7 @@ class Scheduler:
             raise
         policy = self.policy
         idle_park_seconds = 0.0 if policy.churn is not None else policy.idle_park_seconds
-        self.sessions = Sessions(self.log, self.engine, self.next_order, self.clock)
+        self.sessions = Sessions(self.log, self.engine, self.next_order, self.clock, self.context_limit)
         self.kv = KVManager(self.engine, self.pool, self.sessions, self.counters, decode_reserve=policy.decode_reserve,
                             idle_park_seconds=idle_park_seconds, watermarks=policy.watermarks,
                             max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log as session_log
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.errors import SessionNotFound, SuperfluidError
+from superfluid.host.errors import ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
 from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
@@ -44,8 +44,11 @@ REQUEST_PREFIX = "request-"  # ids of request lanes (never a session's: those ar
 class Sessions:
     """Every session and request lane of one host: their state, their records, their chat turns."""
 
-    def __init__(self, log: SessionLog, engine: Any, order: Callable[[], int], clock: Callable[[], float]) -> None:
+    def __init__(self, log: SessionLog, engine: Any, order: Callable[[], int], clock: Callable[[], float],
+                 context_limit: Callable[[], int]) -> None:
+        """`context_limit`: the most tokens one session can hold (the engine's, asked when appending)."""
         self.log, self.engine, self.order, self.clock = log, engine, order, clock
+        self.context_limit = context_limit
         self.descriptor = engine.describe()
         self.durable: dict[str, Live] = {}  # by id: the sessions the log holds
         self.requests: dict[str, Live] = {}  # by id: request lanes, in memory only
@@ -210,6 +213,7 @@ class Sessions:
             ends.append(len(state.tokens) + len(tokens))
         if len(pieces) != len(added):  # rendered at once: each ends where they all end
             ends = [ends[-1]] * len(added)
+        self._check_room(live, len(tokens), f"{len(added)} message(s) of ")
         self.commit(live, tokens, *(Turn(state.id, m["role"], m["content"], end) for m, end in zip(added, ends)))
 
     def _tokenize(self, text: str) -> list[int]:
@@ -227,12 +231,13 @@ class Sessions:
         keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
                                                                                              len(state.tokens)))
         records = []
-        if keep < len(state.tokens):
-            self.kv.cut(live, keep)
-            records.append(Trimmed(state.id, keep))
         kept = sum(1 for end in state.message_ends if end <= keep)  # the messages the cut leaves whole
         # where a rewritten message ends inside the new text is unknown: each ends with the whole
         records += [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[kept:]]
+        self._check_room(live, len(tokens) - len(state.tokens), f"{len(added)} message(s) of ")
+        if keep < len(state.tokens):
+            self.kv.cut(live, keep)
+            records.insert(0, Trimmed(state.id, keep))
         self.commit(live, tokens[keep:], *records, at=keep)  # one log append: all or nothing
         self.kv.follow_pin(live)
 
@@ -242,7 +247,17 @@ class Sessions:
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary (0..{vocab - 1})")
+        self._check_room(live, len(tokens), "")
         self.commit(live, list(tokens))
+
+    def _check_room(self, live: Live, added: int, what: str) -> None:
+        """ContextFull, before anything is appended, when `added` more tokens would take `live` past
+        what one session can hold: every later generation, fork or snapshot of it would fail."""
+        limit, held = self.context_limit(), len(live.state.tokens)
+        if limit and held + added > limit:
+            raise ContextFull(f"session {live.state.id!r} holds {held} tokens; appending {what}{added} tokens would "
+                              f"pass the {limit} one session can hold; nothing was appended: trim the session, or "
+                              "start a new one")
 
     def append_text(self, live: Live, text: str) -> None:
         """Text tokenized as it is; at the start of a session, after a BOS where the model asks

@@ -3,7 +3,7 @@ thread only checks that the session did not change meanwhile and commits the tok
 
 import pytest
 
-from superfluid import ChatError, SessionNotFound
+from superfluid import ChatError, ContextFull, SessionNotFound
 from superfluid.host import host as host_module
 from tests.superfluid.test_chat_templates import DROPS_PAST_REASONING
 
@@ -105,3 +105,24 @@ def test_bad_appends_change_nothing(open_host):
     with pytest.raises(SessionNotFound):
         host.append_messages("no-such-session", [("user", "Hi")])
     assert state_of(host, session).tokens == tokens
+
+
+def test_an_append_past_what_one_session_holds_is_refused_and_appends_nothing(open_host):
+    # A session grown past the context would make its next fork, compaction or generation write
+    # or need what no start can read back: the append is refused whole, before any record.
+    host = open_host()
+    limit = host.call(host.commands.scheduler.context_limit)
+    session = host.session()
+    session.append_message("user", "Hello there")
+    before = state_of(host, session)
+    held = len(before.tokens)
+    with pytest.raises(ContextFull, match=rf"holds {held} tokens; appending {limit + 1 - held} tokens would pass"):
+        session.append_tokens([1] * (limit + 1 - held))
+    with pytest.raises(ContextFull, match="appending 1 message"):
+        session.append_message("assistant", "word " * limit)
+    with pytest.raises(ContextFull, match="appending 2 message"):
+        host.call(host.commands.append_messages, session.id, [("assistant", "Hi"), ("user", "word " * limit)])
+    after = state_of(host, session)
+    assert (after.tokens, after.messages) == (before.tokens, before.messages)
+    session.append_tokens([1] * (limit - held))  # up to the limit itself is room
+    assert len(session.tokens) == limit

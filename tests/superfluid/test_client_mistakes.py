@@ -70,6 +70,10 @@ def test_session_mistakes_are_400s_and_leave_the_session_as_it_was(strict):
     assert send(strict, f"/v1/sessions/{sid}/messages", user)[0] == 200
     status, body = send(strict, f"/v1/sessions/{sid}/messages", user)  # a second user turn in a row
     assert status == 400 and "roles must alternate" in body["error"]["message"]
+    long = {"messages": [{"role": "assistant", "content": "word " * 4000}]}  # past the 2,048 one session holds
+    status, body = send(strict, f"/v1/sessions/{sid}/messages", long)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded" and "nothing was appended" in \
+        body["error"]["message"]
     status, body = send(strict, f"/v1/sessions/{sid}/generate", {"max_tokens": 2, "top_k": 2 ** 70})
     assert status == 400 and body["error"]["param"] == "top_k"
     status, info = send(strict, f"/v1/sessions/{sid}", b"", method="GET")
