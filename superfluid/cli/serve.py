@@ -269,10 +269,24 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     return _serve(server, runtime, pool_bytes, pool_reason)
 
 
+def _check_api_key(key: str | None) -> None:
+    """An empty key is a usage error (it would turn authentication off in silence); a key given on
+    the command line is warned of (every user of the machine sees it in `ps`)."""
+    if key is None:
+        return
+    if not key.strip():
+        raise UsageError("--api-key (or SUPERFLUID_API_KEY) is empty: that would turn authentication off; give a "
+                         "key, or leave both out to serve without one")
+    if os.environ.get(f"{ENVIRONMENT_PREFIX}API_KEY") != key:
+        logging.getLogger(__name__).warning("--api-key on the command line is visible to every user of this machine "
+                                            "(ps, /proc); set SUPERFLUID_API_KEY in the environment instead")
+
+
 def _listen(args: argparse.Namespace, model: Path) -> Server:
     """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a port is 0 to 65535 (0: any free one)")
+    _check_api_key(args.api_key)
     if args.worker_name is not None:
         try:
             worker.check_name(args.worker_name)

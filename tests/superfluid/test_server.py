@@ -170,6 +170,7 @@ def test_with_an_api_key_every_route_but_health_needs_it(tiny_models, tmp_path):
         assert server.raw("GET", "/metrics")[0] == 401
         assert server.raw("GET", "/health")[0] == 200
         assert [m.id for m in server.client("s3cret").models.list().data] == [server.model]
+        assert "visible to every user of this machine" in server.stderr()  # a key in argv is seen in ps
     finally:
         assert server.stop() == 0
 
@@ -185,6 +186,8 @@ def test_exit_codes(tiny_models, tmp_path):
     assert done.returncode == 2 and "invalid int value" in done.stderr
     done = serve_exit(model, "--mlx-prefill-chunk", "8")
     assert done.returncode == 2 and "is an option of the mlx runtime" in done.stderr
+    done = serve_exit(model, "--api-key", " ")
+    assert done.returncode == 2 and "turn authentication off" in done.stderr
     done = serve_exit(model, "--llamacpp-n-ctx", "many")
     assert done.returncode == 2 and "n_ctx" in done.stderr
     for flag in ("--max-connections", "--timeout-keep-alive", "--header-timeout", "--body-timeout"):
