@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log as session_log
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.errors import ContextFull, SessionNotFound, SuperfluidError
+from superfluid.host.errors import ChatError, ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
 from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
@@ -56,6 +56,7 @@ class Sessions:
         self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
         self._request_ids = itertools.count(1)
         self._chat: ChatTemplate | None = None
+        self.turns_closed = 0  # assistant turns a crash left open, closed at recovery
 
     # ----------------------------------------------------------------------------- finding
 
@@ -169,8 +170,9 @@ class Sessions:
                 if (info is None or info.identity != self.descriptor.identity or info.tokens != tokens
                         or info.tag not in owners):
                     state.parked = None  # the record names KV the segment no longer holds
-            self.durable[state.id] = Live(state)
+            live = self.durable[state.id] = Live(state)
             self.parked_count += state.parked is not None
+            self.turns_closed += self._close_left_open(live)
 
     # ----------------------------------------------------------------------------- chat
 
@@ -291,7 +293,11 @@ class Sessions:
         which brings the reply with it (and its KV is parked without the closing, never fed)."""
         if not live.state.messages or not live.durable:
             return
-        produced = live.state.tokens[job.first:]
+        self._close(live, live.state.tokens[job.first:], job.stream.text)
+
+    def _close(self, live: Live, produced: list[int], text: str) -> None:
+        """Close the assistant's turn whose tokens since its opening are `produced` and whose reply
+        (as its reader saw it: stop strings held back) is `text`."""
         eos = self.descriptor.eos_tokens
         ended = bool(produced) and produced[-1] in eos
         reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
@@ -299,14 +305,34 @@ class Sessions:
             closing = self.template().closing(live.state.messages, reply)
         except TemplateRewrites:  # the reply renders otherwise than it was written (a template that
             # strips reasoning, or trims the reply): the session takes what the template renders
-            self._rerender(live, {"role": "assistant", "content": job.stream.text})
+            self._rerender(live, {"role": "assistant", "content": text})
             return
         if ended:
             mark = self.engine.detokenize([produced[-1]]).decode(errors="replace")
             closing = closing[len(mark):] if closing.startswith(mark) else closing
         tokens = self.engine.tokenize(closing, special=True) if closing else []
-        self.commit(live, tokens, Turn(live.state.id, "assistant", job.stream.text,
-                                       len(live.state.tokens) + len(tokens)))
+        self.commit(live, tokens, Turn(live.state.id, "assistant", text, len(live.state.tokens) + len(tokens)))
+
+    def _close_left_open(self, live: Live) -> bool:
+        """Close the assistant's turn a crash left open (its opening and reply were logged, the
+        record closing it was not): the partial reply becomes the assistant's message, so the
+        conversation goes on (a template that requires alternating roles would refuse every later
+        message otherwise). True if there was one."""
+        state = live.state
+        if not state.messages or len(state.tokens) <= state.message_ends[-1]:
+            return False
+        after = state.tokens[state.message_ends[-1]:]
+        try:
+            opening = self.opening(live)
+        except ChatError:
+            return False  # the template cannot open a turn here: whatever follows is no reply
+        if not opening or after[:len(opening)] != opening:
+            return False  # tokens appended raw after the last message, not a reply
+        produced = after[len(opening):]
+        text = self.engine.detokenize([t for t in produced if t not in self.descriptor.eos_tokens]).decode(
+            errors="replace")
+        self._close(live, produced, text)
+        return True
 
     # ----------------------------------------------------------------------------- reading
 

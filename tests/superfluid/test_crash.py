@@ -88,3 +88,63 @@ def test_a_torn_last_record_is_cut_and_the_host_starts(open_host):
         handle.write(b"\x40\x00\x00\x00" + b"\x00" * 10)  # a frame whose write was cut short
     again = open_host()
     assert again.session(id=s.id).tokens == tokens and again._log.truncated_bytes == 14
+
+
+def test_a_turn_a_kill_left_open_is_closed_at_recovery_and_the_conversation_goes_on(open_host, runtime, model_for,
+                                                                                      tmp_path):
+    name = f"crash-chat-{os.getpid()}-{runtime}"
+    child = subprocess.Popen([sys.executable, "-m", "tests.superfluid.crash_host", str(model_for(runtime)), runtime,
+                              name, str(tmp_path / "log"), "chat"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        _, session_id, _ = child.stdout.readline().split()
+        for _ in range(10):
+            assert child.stdout.readline().startswith("token ")
+        child.send_signal(signal.SIGKILL)  # between two tokens: no record closes the assistant's turn
+    finally:
+        child.kill()
+        child.wait()
+    host = open_host(pool_name=name)
+    session = host.session(id=session_id)
+    messages = session.messages
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"]
+    assert host.call(lambda: host.commands.sessions.turns_closed) == 1
+    # the session holds what its conversation renders to, as if the reply had ended there
+    rendered = host.call(lambda: host.commands.sessions.template().render(messages))
+    assert session.detokenize(session.tokens) == rendered
+    session.append_user("And then?")
+    assert session.complete(max_tokens=2) is not None and [m["role"] for m in session.messages] == [
+        "user", "assistant", "user", "assistant"]
+
+
+def test_recovery_closes_an_open_turn_on_a_template_that_requires_alternating_roles(tmp_path):
+    from superfluid import Host
+    from tests import realtemplates, tinymodels
+    from tests.conftest import remove_segment, unique_pool_name
+
+    model = tinymodels.build(tmp_path / "model", "f32", chat_template=realtemplates.from_llama_cpp()["Gemma 2"])
+    pool = unique_pool_name()
+
+    def open_it():
+        return Host(model.gguf, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log", llamacpp_threads=2,
+                    llamacpp_n_ctx=2048)
+
+    try:
+        host = open_it()
+        session = host.session()
+        session.append_user("Hello")
+
+        def crash_mid_reply():  # what a kill leaves: the opening and three reply tokens, no closing
+            sessions = host.commands.sessions
+            live = sessions.get(session.id)
+            sessions.commit(live, sessions.opening(live) + [40, 41, 42])
+
+        host.call(crash_mid_reply)
+        host.close()
+        host = open_it()
+        session = host.session(id=session.id)
+        assert [m["role"] for m in session.messages] == ["user", "assistant"]
+        session.append_user("Go on")  # roles alternate: the template takes it
+        session.complete(max_tokens=2)
+        host.close()
+    finally:
+        remove_segment(pool)
