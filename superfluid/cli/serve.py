@@ -28,6 +28,7 @@ from superfluid.http import worker
 from superfluid.http.connections import REFUSING_ROOM
 from superfluid.http.responses import kv_summary
 from superfluid.http.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS,
+                                     SEND_TIMEOUT,
                                     Server, model_name_of)
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -117,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          f"request head (default: {HEADER_TIMEOUT:g})")
     flag("--body-timeout", type=float, default=BODY_TIMEOUT, help="seconds a request body has to arrive once its "
          f"head did; a 408 after that (default: {BODY_TIMEOUT:g})")
+    flag("--send-timeout", type=float, default=SEND_TIMEOUT, help="seconds a response may wait for its client to "
+         "read what was sent; then its stream ends, its lane is freed and its connection is cut (default: "
+         f"{SEND_TIMEOUT:g})")
     flag("--max-waiting", type=int, default=64, help="generations that may wait for the engine at once; beyond them "
          "a request is answered 503 with Retry-After (default: 64)")
     flag("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long without starting is "
@@ -293,7 +297,8 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
         except ValueError as exc:
             raise UsageError(f"--worker-name: {exc}") from None
     for name, value in (("--max-connections", args.max_connections), ("--timeout-keep-alive", args.timeout_keep_alive),
-                        ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+                        ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--send-timeout", args.send_timeout)):
         if not value > 0:
             raise UsageError(f"{name} {value}: it must be above 0")
     allowed = open_file_limit(args.max_connections)
@@ -305,7 +310,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
         return Server(None, (args.host, args.port), api_key=args.api_key,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
                       header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
-                      body_timeout=args.body_timeout, worker_name=args.worker_name)
+                      body_timeout=args.body_timeout, send_timeout=args.send_timeout, worker_name=args.worker_name)
     except socket.gaierror as exc:
         raise UsageError(f"--host {args.host}: not an address this machine can listen on ({exc.strerror})") from None
     except OSError as exc:

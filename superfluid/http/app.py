@@ -31,7 +31,7 @@ from superfluid.host.interruption import Arrival
 from superfluid.host.request import Prompt
 from superfluid.host.session import LIVENESS_SECONDS
 from superfluid.http import api, builders, completions, responses, worker
-from superfluid.http.connections import OVER_CAPACITY
+from superfluid.http.connections import ABORT, OVER_CAPACITY
 from superfluid.http.metrics import CONTENT_TYPE, Metrics
 
 MAX_BODY = 1 << 20  # bytes of request body
@@ -51,18 +51,26 @@ REQUESTS = logging.getLogger("superfluid.requests")
 BODY_DISCARD_SECONDS = 5.0  # a body answered without being read (an error, a route that takes none) is read away this long
 
 
+class ClientStalled(ConnectionError):
+    """A response could not be sent within the send deadline: its client stopped reading."""
+
+
 class Exchange:
     """One request and its response: the ASGI receive and send, with what was sent so far."""
 
-    def __init__(self, scope: dict, receive: Callable, send: Callable, worker_name: str | None = None) -> None:
+    def __init__(self, scope: dict, receive: Callable, send: Callable, worker_name: str | None = None,
+                 send_timeout: float | None = None, on_stall: Callable[[], None] = lambda: None) -> None:
         """The request `scope` uvicorn parsed, and its receive and send callables; `worker_name`
-        goes out on every response (worker.HEADER) when given."""
+        goes out on every response (worker.HEADER) when given; a write that cannot go out within
+        `send_timeout` seconds cuts the connection and calls `on_stall` (None: no deadline)."""
         self.method: str = scope["method"]
         self.target = scope["raw_path"].decode("latin-1") + (f"?{scope['query_string'].decode('latin-1')}"
                                                              if scope["query_string"] else "")
         self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         self.client = (scope.get("client") or ("-", 0))[0]
         self.over_capacity = bool(scope.get("state", {}).get(OVER_CAPACITY))
+        self._abort = scope.get("state", {}).get(ABORT)  # cuts the connection (connections.py)
+        self.send_timeout, self._on_stall = send_timeout, on_stall
         self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.receive, self._send = receive, send
         self.worker_headers = {worker.HEADER: worker_name} if worker_name else {}
@@ -137,9 +145,24 @@ class Exchange:
                           "headers": [(name.lower().encode(), value.encode()) for name, value in headers.items()]})
 
     async def write(self, data: bytes, *, more: bool) -> None:
-        """Body bytes; `more=False` ends the response."""
+        """Body bytes; `more=False` ends the response. ClientStalled when they cannot go out within
+        the send deadline (the client reads nothing): the connection is cut, and the disconnect
+        watcher cancels the generation; nothing is written after that."""
+        if self.gone:
+            return
+        message = {"type": "http.response.body", "body": data, "more_body": more}
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await self._send(message)
+        except TimeoutError:
+            self.gone = True
+            self._on_stall()
+            if self._abort is not None:
+                self._abort()  # a close would wait for the client to read what is buffered: forever
+                await asyncio.sleep(0)  # the connection's loss is handled before the response is given up
+            raise ClientStalled(f"the client read nothing for {self.send_timeout:g} s (serve's --send-timeout)") \
+                from None
         self.finished = self.finished or not more
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         """A whole JSON response."""
@@ -164,16 +187,19 @@ class App:
     """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
 
     def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics,
-                 max_connections: int, body_timeout: float, worker_name: str | None = None) -> None:
+                 max_connections: int, body_timeout: float, send_timeout: float = 60.0,
+                 worker_name: str | None = None) -> None:
         """`max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
-        seconds a request body may take to arrive; `worker_name`: this server's name among
-        workers behind a router (it heads the ids of the sessions it creates; worker.py)."""
+        seconds a request body may take to arrive; `send_timeout`: seconds a response may wait for
+        its client to read; `worker_name`: this server's name among workers behind a router (it
+        heads the ids of the sessions it creates; worker.py)."""
         self.host = host
         self.api_key = api_key or None
         self.model_name = model_name
         self.metrics = metrics
         self.max_connections = max_connections
         self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
         self.worker_name = worker_name  # checked where it is given (serve's flag, Server)
         self.started = time.time()
 
@@ -181,7 +207,7 @@ class App:
         """ASGI: answer one HTTP request."""
         if scope["type"] != "http":  # lifespan is off; websockets are not served
             return
-        exchange = Exchange(scope, receive, send, self.worker_name)
+        exchange = Exchange(scope, receive, send, self.worker_name, self.send_timeout, self.metrics.stalled)
         path = scope["path"].rstrip("/") or "/"
         parts = path.split("/")
         session_id = parts[3] if len(parts) > 3 and parts[:3] == ["", "v1", "sessions"] else None

@@ -9,6 +9,8 @@ gets `header_timeout` seconds to deliver the whole head, however slowly the byte
 then it is closed. The body has its own deadline, kept by the application that reads it.
 
 Beyond the connection cap, new connections are told so (503) or, far beyond it, closed at once.
+Each request's scope carries a way to cut its connection, for a response whose client stopped
+reading (the application's send deadline).
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ class HeadDeadlineProtocol(H11Protocol):
         if others >= self.config.max_connections + REFUSING_ROOM:
             transport.abort()
             return
+        # copied into each request's scope: how the application cuts this connection (a response
+        # whose client stopped reading: a close would wait for it to read what is buffered)
+        self.app_state = {**self.app_state, ABORT: transport.abort}
         if others >= self.config.max_connections:
-            self.app_state = {**self.app_state, OVER_CAPACITY: True}  # copied into each request's scope
+            self.app_state = {**self.app_state, OVER_CAPACITY: True}
         self._await_head()
 
     def handle_events(self) -> None:
@@ -91,6 +96,7 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 OVER_CAPACITY = "over_capacity"
+ABORT = "abort"
 # Connections beyond the cap that are still accepted, to be answered 503 (past them a new one is
 # closed unanswered).
 REFUSING_ROOM = 64

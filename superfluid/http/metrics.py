@@ -93,6 +93,9 @@ class Metrics:
         self.latency_seconds = Histogram("superfluid_e2e_request_latency_seconds",
                                          "Seconds from a generating request's arrival to its last byte.",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.stalled_clients = Counter("superfluid_stalled_clients", "Responses cut because their client read "
+                                       "nothing for the send deadline (serve's --send-timeout).",
+                                       registry=self.registry)
         self._host = _HostCollector()
         self.registry.register(self._host)
 
@@ -111,6 +114,10 @@ class Metrics:
     def output_token(self, seconds: float) -> None:
         """Record the time between two output tokens of one request."""
         self.output_token_seconds.observe(seconds)
+
+    def stalled(self) -> None:
+        """Count one response cut for a client that stopped reading."""
+        self.stalled_clients.inc()
 
     def latency(self, seconds: float) -> None:
         """Record a generating request's whole time."""

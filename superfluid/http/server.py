@@ -6,6 +6,8 @@ What a careless or hostile client cannot do here:
   seconds of the connection opening or of its previous response (superfluid.http.connections), its
   body within `body_timeout`, and a kept-alive connection that sends nothing is closed after
   `keep_alive_timeout`;
+- hold a lane by not reading: a response that cannot send for `send_timeout` seconds ends, its
+  generation is cancelled (its lane freed) and its connection is cut;
 - hold a thread: every connection is a few objects on one event loop; the threads are the
   loop's, the scheduler's and a few for the host's close;
 - exhaust the process: beyond `max_connections` open connections a request is answered 503
@@ -35,6 +37,9 @@ from superfluid.http.metrics import Metrics
 HEADER_TIMEOUT = 10.0  # seconds to send a whole request head
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds a kept-alive connection may sit idle (llama-server's and uvicorn's default)
 BODY_TIMEOUT = 30.0  # seconds to send a whole request body (1 MiB at most)
+# Seconds a response may wait for its client to read (the socket's buffers full): a stream whose
+# client stopped reading would otherwise hold its lane, generating into the void, to max_tokens.
+SEND_TIMEOUT = 60.0
 MAX_CONNECTIONS = 2048  # open connections; beyond them a request is answered 503
 # Connections waiting to be accepted: a burst of clients connecting at once overflows a short
 # queue, and the kernel then drops or resets some of their connections.
@@ -51,7 +56,7 @@ class Server:
     def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, model_name: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
-                 worker_name: str | None = None) -> None:
+                 send_timeout: float = SEND_TIMEOUT, worker_name: str | None = None) -> None:
         """Bind `address` ("127.0.0.1", port; port 0 picks a free one) now; `host` may be set
         later (`server.host = Host(...)`), before `run()`. OSError if the address is taken.
         `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py)."""
@@ -61,6 +66,7 @@ class Server:
         self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
         self.max_connections = max_connections
         self.header_timeout, self.keep_alive_timeout, self.body_timeout = header_timeout, keep_alive_timeout, body_timeout
+        self.send_timeout = send_timeout
         self.metrics = Metrics(frozenset(route for table in ROUTES.values() for route in table))
         family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
         self.socket = socket.create_server(address, family=family, backlog=BACKLOG)
@@ -83,7 +89,8 @@ class Server:
         stop gracefully (the host is closed on the way). `on_serving` is called once requests are
         answered and the signals are handled. Blocks."""
         app = App(self.host, api_key=self.api_key, model_name=self.model_name, metrics=self.metrics,
-                  max_connections=self.max_connections, body_timeout=self.body_timeout, worker_name=self.worker_name)
+                  max_connections=self.max_connections, body_timeout=self.body_timeout,
+                  send_timeout=self.send_timeout, worker_name=self.worker_name)
         # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any loopback client
         # as the client's address (the request log's first field)
         config = ServerConfig(app, header_timeout=self.header_timeout, max_connections=self.max_connections,

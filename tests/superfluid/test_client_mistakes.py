@@ -5,6 +5,8 @@ One server on a tiny model that ships Gemma 2's chat template: a template that r
 conversations (no system role; roles must alternate), as real models' templates do."""
 
 import json
+import socket
+import time
 
 import openai
 import pytest
@@ -80,3 +82,38 @@ def test_session_mistakes_are_400s_and_leave_the_session_as_it_was(strict):
     assert status == 200 and info["messages"] == 1  # the refused turn left nothing behind
     status, reply = send(strict, f"/v1/sessions/{sid}/generate", {"max_tokens": 2})
     assert status == 200 and reply["usage"]["completion_tokens"] >= 1
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_after_the_send_deadline(tmp_path):
+    # More than the kernel's socket buffers hold (4 MiB here): a long reply with 20 alternatives
+    # a token, from a tiny model that takes 32,768 positions
+    model = tinymodels.build(tmp_path, "f32", tinymodels.TinyConfig(context=32768))
+    server = Served(model.gguf, tmp_path, "--send-timeout", "1")
+    try:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast: the server's sends block
+        reader.connect(server.address)
+        body = json.dumps({"model": server.model, "prompt": "Go on", "max_tokens": 30000, "stream": True,
+                           "ignore_eos": True, "logprobs": 20}).encode()
+        reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert reader.recv(64).startswith(b"HTTP/1.1 200")  # streaming; then it reads nothing more
+        deadline = time.time() + 120
+        while server.metric("stalled_clients_total") < 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert server.metric("stalled_clients_total") == 1
+        while server.metric("generating") and time.time() < deadline:
+            time.sleep(0.1)
+        assert server.metric("generating") == 0  # its lane is free
+        received = b""
+        reader.settimeout(30)
+        try:
+            while chunk := reader.recv(1 << 16):
+                received += chunk
+        except ConnectionResetError:
+            pass  # cut, not closed: what was buffered is dropped
+        assert b"data: [DONE]" not in received  # the stream was cut, not finished
+        assert server.raw("GET", "/health")[0] == 200
+        reader.close()
+    finally:
+        assert server.stop() == 0

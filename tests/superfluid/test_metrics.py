@@ -71,7 +71,12 @@ def test_request_histograms_count_and_sum_what_was_served(served):
                               ("superfluid_e2e_request_latency_seconds", 1)):
         assert after[name].type == "histogram"
         assert sample(after[name], "_count") - sample(before[name], "_count") == 3 * per_request
-        assert sample(after[name], "_sum") > sample(before[name], "_sum")
+        if name == "superfluid_time_per_output_token_seconds":
+            # tokens the reader takes together (the event loop woke after several steps: a busy
+            # machine) are observed 0 s apart; only the count is certain
+            assert sample(after[name], "_sum") >= sample(before[name], "_sum")
+        else:  # from the request's arrival: always some time
+            assert sample(after[name], "_sum") > sample(before[name], "_sum")
     # each reply's four tokens but its last are fed back through decode steps
     assert sample(after["superfluid_decode_tokens"], "_total") - sample(before["superfluid_decode_tokens"], "_total") == 9
     for gauge in ("superfluid_kv_cells", "superfluid_waiting", "superfluid_generating", "superfluid_parked_sessions"):
