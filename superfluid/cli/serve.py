@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     flag("--port", type=int, default=8000, help="port (0: a free one, printed)")
     flag("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    flag("--allow-priority", type=_yes_no, nargs="?", const=True, default=False, help="honour `priority: "
+         "interactive` in requests (it preempts the other clients' work; without this flag it is refused with a 400, "
+         "as any client could send it)")
     flag("--pool-name", default="superfluid", help="the shared-memory KV pool's name")
     flag("--pool-bytes", type=size, help="its size, taken up front, in bytes or with a unit: 512M, 2G (default: an "
          f"eighth of the memory available once the weights are loaded, within {DEFAULT_POOL_BYTES >> 20}M and "
@@ -147,6 +150,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         metavar=spec.shape.upper(),
                                         help=f"{spec.help} ({shown}default: {default})")
             _from_environment(action)
+
+
+def _yes_no(value: str) -> bool:
+    """An argparse type for a switch that may also come from the environment: true or false."""
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r}: give true or false")
 
 
 def _one_of(choices) -> Callable[[str], str]:
@@ -307,7 +319,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
                                             "serving at most %d connections", args.max_connections, files_allowed(),
                                             allowed)
     try:
-        return Server(None, (args.host, args.port), api_key=args.api_key,
+        return Server(None, (args.host, args.port), api_key=args.api_key, allow_priority=args.allow_priority,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
                       header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
                       body_timeout=args.body_timeout, send_timeout=args.send_timeout, worker_name=args.worker_name)

@@ -28,7 +28,7 @@ from superfluid import __version__
 from superfluid.host import sampling as sampler
 from superfluid.host.errors import HostClosed, SessionNotFound
 from superfluid.host.interruption import Arrival
-from superfluid.host.request import Prompt
+from superfluid.host.request import GenerateRequest, Priority, Prompt
 from superfluid.host.session import LIVENESS_SECONDS
 from superfluid.http import api, builders, completions, responses, worker
 from superfluid.http.connections import ABORT, OVER_CAPACITY
@@ -186,7 +186,7 @@ class Exchange:
 class App:
     """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
 
-    def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics,
+    def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics, allow_priority: bool = False,
                  max_connections: int, body_timeout: float, send_timeout: float = 60.0,
                  worker_name: str | None = None) -> None:
         """`max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
@@ -195,6 +195,7 @@ class App:
         heads the ids of the sessions it creates; worker.py)."""
         self.host = host
         self.api_key = api_key or None
+        self.allow_priority = allow_priority  # honour priority "interactive" (it preempts other clients)
         self.model_name = model_name
         self.metrics = metrics
         self.max_connections = max_connections
@@ -320,7 +321,7 @@ class App:
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
-        wanted = api.generate_request(request, chat=True)
+        wanted = self._wanted(request, chat=True)
         messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
         return request, self.host.prepare(Prompt(messages)), wanted
 
@@ -339,8 +340,21 @@ class App:
                 raise api.ApiError(400, "`prompt` must be one string (a list of several would mean several choices)",
                                    param="prompt")
             request.prompt = request.prompt[0]
-        wanted = api.generate_request(request, chat=False)
+        wanted = self._wanted(request, chat=False)
         return request, self.host.prepare(Prompt(text=request.prompt)), wanted
+
+    def _wanted(self, request, *, chat: bool) -> GenerateRequest:
+        """The host's request for an HTTP request (api.generate_request), its priority allowed."""
+        self._check_priority(request.priority)
+        return api.generate_request(request, chat=chat)
+
+    def _check_priority(self, priority: str | None) -> None:
+        """ApiError 400 for a class above default where the server does not honour it: any client
+        could send it and preempt every other client's work."""
+        if priority is not None and Priority.named(priority) < Priority.DEFAULT and not self.allow_priority:
+            raise api.ApiError(400, f"`priority: {priority}` preempts other clients' work; this server does not "
+                               "honour it (serve's --allow-priority); send default or background",
+                               param="priority", code="priority_not_allowed")
 
     # ----------------------------------------------------------------------------- session routes
 
@@ -352,6 +366,7 @@ class App:
 
     async def _session_create(self, exchange: Exchange, _: None) -> int:
         request = await self._decoded(exchange, api.SessionCreate)
+        self._check_priority(request.priority)
         settings = sampler.Sampling(**api.sampling_of(request))
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
         session_id = await self.call(self.host.commands.create, worker.new_session_id(self.worker_name),
@@ -386,7 +401,7 @@ class App:
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
-        wanted = api.generate_request(request, chat=True)
+        wanted = self._wanted(request, chat=True)
         generation = await self.call(self.host.commands.generate, session_id, wanted)
         await completions.answer(self, exchange, generation, request, chat=True)
 

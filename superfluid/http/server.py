@@ -53,15 +53,19 @@ LOG = logging.getLogger(__name__)
 class Server:
     """The HTTP server around one Host: bound at construction, serving in `run()`."""
 
-    def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, model_name: str | None = None,
+    def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, allow_priority: bool = False,
+                 model_name: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
                  send_timeout: float = SEND_TIMEOUT, worker_name: str | None = None) -> None:
         """Bind `address` ("127.0.0.1", port; port 0 picks a free one) now; `host` may be set
         later (`server.host = Host(...)`), before `run()`. OSError if the address is taken.
-        `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py)."""
+        `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py);
+        `allow_priority`: honour `priority: "interactive"` (else it is refused: any client could
+        send it and preempt the others)."""
         self.host = host
         self.api_key = api_key or None
+        self.allow_priority = allow_priority
         self.model_name = model_name or "superfluid"
         self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
         self.max_connections = max_connections
@@ -88,7 +92,8 @@ class Server:
         """Serve until `stop()`, SIGTERM or SIGINT (signals when called on the main thread), then
         stop gracefully (the host is closed on the way). `on_serving` is called once requests are
         answered and the signals are handled. Blocks."""
-        app = App(self.host, api_key=self.api_key, model_name=self.model_name, metrics=self.metrics,
+        app = App(self.host, api_key=self.api_key, allow_priority=self.allow_priority, model_name=self.model_name,
+                  metrics=self.metrics,
                   max_connections=self.max_connections, body_timeout=self.body_timeout,
                   send_timeout=self.send_timeout, worker_name=self.worker_name)
         # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any loopback client

@@ -44,6 +44,18 @@ def test_a_value_out_of_range_is_a_400_naming_its_field(strict, fields, named):
     assert status == 400 and body["error"]["param"] == named and f"`{named}`" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"priority": "interactive"}), ("/v1/sessions", {"priority": "interactive"}),
+])
+def test_a_priority_above_default_is_refused_where_the_server_does_not_allow_it(strict, path, body):
+    # any client could send it and preempt every other client's work (serve's --allow-priority)
+    status, answer = send(strict, path, chat_body(strict, **body) if "chat" in path else body)
+    assert status == 400 and answer["error"]["code"] == "priority_not_allowed" and "--allow-priority" in \
+        answer["error"]["message"]
+    status, _ = send(strict, path, chat_body(strict, priority="background") if "chat" in path else {"priority": "background"})
+    assert status in (200, 201)  # a lower class is anyone's to ask for
+
+
 def test_json_nested_a_thousand_deep_is_a_400(strict):
     deep = b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
     status, body = send(strict, "/v1/chat/completions", deep)

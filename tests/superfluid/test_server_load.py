@@ -58,7 +58,7 @@ def test_eight_agents_all_finish_and_an_interactive_chat_is_not_held_behind_them
     # No refusal for waiting: on a busy machine the last agents wait longer than serve's default
     # 300 s (a CI run beside other work saw five refused), and how long they wait is the machine's.
     served = Served(smollm, tmp_path, "--llamacpp-n-ctx", "4096", "--pool-bytes", str(1 << 30),
-                    "--max-wait-seconds", str(NO_WAIT_LIMIT), exact=False)
+                    "--max-wait-seconds", str(NO_WAIT_LIMIT), "--allow-priority", exact=False)
     try:
         client = served.client()
         # Every chat is a new conversation with a prompt of its own (nothing of it cached), on the
