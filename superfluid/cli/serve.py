@@ -124,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--send-timeout", type=float, default=SEND_TIMEOUT, help="seconds a response may wait for its client to "
          "read what was sent; then its stream ends, its lane is freed and its connection is cut (default: "
          f"{SEND_TIMEOUT:g})")
+    flag("--max-sessions", type=int, default=1_000_000, help="sessions kept; creating one more is answered 429 "
+         "(default: 1000000)")
+    flag("--max-messages", type=int, default=100_000, help="messages in one request; more is answered 400 (default: "
+         "100000)")
+    flag("--session-expiry-seconds", type=float, help="delete a session idle this long (never a pinned one; idle "
+         "since its last change or this start; default: never, as sessions are promised to survive)")
     flag("--max-waiting", type=int, default=64, help="generations that may wait for the engine at once; beyond them "
          "a request is answered 503 with Retry-After (default: 64)")
     flag("--max-wait-seconds", type=float, default=300.0, help="a request that waited this long without starting is "
@@ -277,6 +283,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                            max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
                            decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
                            first_token_target=args.first_token_target, decode_step_target=args.decode_step_target,
+                           max_sessions=args.max_sessions, max_messages=args.max_messages,
+                           session_expiry_seconds=args.session_expiry_seconds,
                            **{f"{runtime}_{k}": v for k, v in options.items()})
     except BaseException as exc:  # noqa: BLE001 - each failure is answered with its line and code
         if server is not None:

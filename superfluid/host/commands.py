@@ -9,7 +9,7 @@ sessions' state and records to `Sessions`, KV to the KV manager, generations to 
 from __future__ import annotations
 
 from engines.errors import EngineError
-from superfluid.host.errors import ContextFull, EmptySession, SessionBusy
+from superfluid.host.errors import ContextFull, EmptySession, SessionBusy, TooManySessions
 from superfluid.host.lane import Job, Live
 from superfluid.host.prompts import PreparedPrompt
 from superfluid.host.request import GenerateRequest, Priority
@@ -54,7 +54,8 @@ class Commands:
         self.sessions.recover(self.kv.pool)
 
     def create(self, session_id: str | None, system: str | None, settings: Sampling, priority: str) -> str:
-        """A new session; its id."""
+        """A new session; its id (TooManySessions at the cap)."""
+        self._check_session_cap()
         live = self.sessions.open(session_id, settings, priority)
         if system is not None:
             self.sessions.append_messages(live, [("system", system)])
@@ -170,6 +171,7 @@ class Commands:
         """A child session (`child_id`, or a fresh id) with the parent's tokens and messages,
         sharing its KV; its id."""
         parent = self._live(session_id)
+        self._check_session_cap()
         child = self.sessions.fork(parent, child_id)
         self.kv.fork(parent, child)
         return child.state.id
@@ -180,6 +182,12 @@ class Commands:
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(live.state.tokens):
             raise ValueError(f"trim({n_tokens!r}): session {session_id!r} holds {len(live.state.tokens)} tokens")
         self.sessions.trim(live, n_tokens)
+
+    def _check_session_cap(self) -> None:
+        cap = self.scheduler.policy.max_sessions
+        if cap is not None and len(self.sessions.durable) >= cap:
+            raise TooManySessions(f"the host holds {cap} sessions, its max_sessions (serve's --max-sessions); delete "
+                                  "sessions you no longer need, or raise the cap")
 
     def delete(self, session_id: str) -> None:
         """Remove the session (cancelling its generation); its parked KV becomes evictable."""

@@ -24,6 +24,14 @@ class EmptySession(SuperfluidError, ValueError):
     """A generation was asked of a session that holds no tokens: there is nothing to continue."""
 
 
+class TooManySessions(SuperfluidError):
+    """The host holds `max_sessions` sessions: delete some (or raise the cap) before creating more."""
+
+
+class TooManyMessages(SuperfluidError, ValueError):
+    """A prompt or an append brought more messages than `max_messages`."""
+
+
 class ContextFull(SuperfluidError):
     """A session reached the engine's context length."""
 

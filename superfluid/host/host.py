@@ -29,7 +29,7 @@ from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
 from superfluid.host.engine_thread import EngineThread
-from superfluid.host.errors import HostClosed
+from superfluid.host.errors import HostClosed, TooManyMessages
 from superfluid.host.interruption import Arrival
 from superfluid.host.log import SessionLog
 from superfluid.host.chat import TemplateRewrites
@@ -63,7 +63,8 @@ class Host:
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
                  max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
-                 decode_step_target: float | None = 0.5,
+                 decode_step_target: float | None = 0.5, max_sessions: int | None = 1_000_000,
+                 max_messages: int | None = 100_000, session_expiry_seconds: float | None = None,
                  engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,
                  clock: Callable[[], float] = time.monotonic, **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
@@ -79,12 +80,20 @@ class Host:
         measured step costs fit in `first_token_target` seconds (what a request arriving during
         a step waits before its prompt goes first), and in `decode_step_target` seconds while a
         lane decodes for a reader of its tokens as they come (what its next token waits; a
-        generation read whole, as `Session.complete` reads it, does not bind it); None: no bound. `engine_factory` opens
+        generation read whole, as `Session.complete` reads it, does not bind it); None: no bound.
+        Limits, each far past what a real conversation meets: `max_sessions` sessions kept
+        (TooManySessions beyond), `max_messages` messages in one prompt or one append
+        (TooManyMessages); `session_expiry_seconds` deletes a session idle that long (nothing
+        logged for it since, or since this host started), never a pinned one; None: no limit,
+        and the default for expiry (sessions are promised to survive). `engine_factory` opens
         an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
         only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
         checks the KV bookkeeping as it goes (see superfluid.host.churn.Churn); outputs do not change.
         `clock` gives the seconds that idle parking, generation timeouts and `max_wait_seconds`
         are measured in (monotonic; a test passes one it moves itself)."""
+        if max_messages is not None and (not isinstance(max_messages, int) or max_messages < 1):
+            raise ValueError(f"max_messages={max_messages!r}: must be a whole number >= 1, or None for no cap")
+        self.max_messages = max_messages
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
         policy = _policy(prefill_budget=prefill_budget, first_token_target=first_token_target,
@@ -92,7 +101,8 @@ class Host:
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
                          max_wait_seconds=max_wait_seconds, watermarks=(high_watermark, low_watermark),
-                         max_pinned_fraction=max_pinned_fraction, churn=churn)
+                         max_pinned_fraction=max_pinned_fraction, max_sessions=max_sessions,
+                         session_expiry_seconds=session_expiry_seconds, churn=churn)
         if engine_factory is None:
             adapter = registry.adapter(self.runtime)
             engine_factory = lambda: adapter(model, **options)  # noqa: E731
@@ -144,7 +154,9 @@ class Host:
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """`prompt` (chat messages or a text) rendered and tokenized for a one-shot request
         (`commands.start_request`), on the calling thread: a long conversation costs its caller,
-        never the scheduler thread everyone waits on. ChatError for messages the template refuses."""
+        never the scheduler thread everyone waits on. ChatError for messages the template refuses;
+        TooManyMessages past `max_messages`."""
+        self._check_messages(len(prompt.messages))
         if self._tokenizes_anywhere:
             return self.prompts.build(prompt)
         return self.call(self.prompts.build, prompt)
@@ -157,6 +169,7 @@ class Host:
         (else rendered again). A template that rewrites earlier turns, or an adapter without a
         tokenizer for any thread, renders them on the scheduler thread instead."""
         messages = list(messages)
+        self._check_messages(len(messages))
         if self._tokenizes_anywhere:
             added = [{"role": role, "content": content} for role, content in messages]
             for _ in range(OPTIMISTIC_TRIES):
@@ -168,6 +181,11 @@ class Host:
                 if self.call(self.commands.append_rendered, session_id, version, messages, pieces):
                     return
         self.call(self.commands.append_messages, session_id, messages)
+
+    def _check_messages(self, count: int) -> None:
+        if self.max_messages is not None and count > self.max_messages:
+            raise TooManyMessages(f"{count} messages in one request; this host takes at most {self.max_messages} "
+                                  "(max_messages, serve's --max-messages): send fewer, or raise the cap")
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
                 **sampling: Any) -> Session:
@@ -251,7 +269,11 @@ def _policy(**settings: Any) -> Policy:
             raise ValueError(f"{name}={value!r}: must be a whole number >= {0 if name == 'decode_reserve' else 1}")
     if settings["max_waiting"] is not None and (not isinstance(settings["max_waiting"], int) or settings["max_waiting"] < 1):
         raise ValueError(f"max_waiting={settings['max_waiting']!r}: must be a whole number >= 1, or None for no limit")
-    for name in ("idle_park_seconds", "max_wait_seconds", "first_token_target", "decode_step_target"):
+    if settings["max_sessions"] is not None and (not isinstance(settings["max_sessions"], int)
+                                                 or settings["max_sessions"] < 1):
+        raise ValueError(f"max_sessions={settings['max_sessions']!r}: must be a whole number >= 1, or None for no cap")
+    for name in ("idle_park_seconds", "max_wait_seconds", "first_token_target", "decode_step_target",
+                 "session_expiry_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
     if settings["churn"] is not None and not isinstance(settings["churn"], Churn):

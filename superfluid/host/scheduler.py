@@ -65,6 +65,8 @@ class Policy:
     max_wait_seconds: float | None = None
     watermarks: tuple[float, float] = (0.9, 0.75)
     max_pinned_fraction: float = 0.5
+    max_sessions: int | None = 1_000_000
+    session_expiry_seconds: float | None = None
     churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/host/churn.py)
 
 
@@ -76,6 +78,7 @@ class Scheduler:
                  counters: Counters, policy: Policy, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._open_engine, self._open_pool = open_engine, open_pool
         self.log, self.counters, self.policy, self.clock = log, counters, policy, clock
+        self._next_expiry_sweep = 0.0  # when expire_idle_sessions next walks the sessions
         self.sessions: Sessions | None = None  # the owner of sessions' state, made with the engine
         # the sessions and request lanes with a generation, in order of arrival: a tick looks at
         # these and the lanes, never at every session (most are idle)
@@ -126,7 +129,23 @@ class Scheduler:
         """A round with no generation active: park idle lanes, and sync what idle commands wrote
         (the "tick" policy's idle tick)."""
         self.kv.park_idle(self.clock(), generating=False)
+        self.expire_idle_sessions()
         self.log.sync_soon()
+
+    def expire_idle_sessions(self) -> None:
+        """Delete the sessions idle for `session_expiry_seconds` (never a pinned one, nor one
+        generating). Looked for at most every tenth of the expiry (a walk of every session), so a
+        tick's cost does not grow with the sessions kept; off by default: sessions are promised
+        to survive."""
+        expiry, now = self.policy.session_expiry_seconds, self.clock()
+        if expiry is None or now < self._next_expiry_sweep:
+            return
+        self._next_expiry_sweep = now + max(expiry / 10, 0.1)
+        for live in [live for live in self.sessions.durable.values()
+                     if live.job is None and not live.pinned and now - live.active_at >= expiry]:
+            self.kv.drop(live)
+            self.sessions.remove(live)
+            self.counters.expired_sessions += 1
 
     def end_round(self, closing: bool) -> None:
         """After each round of the thread's loop: publish the statistics where due and tell the
@@ -158,7 +177,8 @@ class Scheduler:
                          parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
                          cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
-                         interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds)
+                         interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
+                         expired_sessions=c.expired_sessions)
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics where due (`force`: now), then tell the generations that ended."""
@@ -214,6 +234,7 @@ class Scheduler:
         self._end_cancelled_and_late(now)
         self._admit()  # first: a waiting generation may fork an idle lane
         self.kv.park_idle(now, generating=any(live.job is not None for live in self.kv.lanes))
+        self.expire_idle_sessions()
         decode, prefill = self._plan()
         if not decode and not prefill:
             return

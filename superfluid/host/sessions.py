@@ -81,6 +81,7 @@ class Sessions:
         if live.durable:
             was_parked = live.state.parked is not None
             self.log.append(*records)
+            live.active_at = self.clock()
             self.parked_count += (live.state.parked is not None) - was_parked
             return
         states = {live.state.id: live.state}
@@ -107,6 +108,7 @@ class Sessions:
         self.log.append(Opened(session_id, time.time(), settings, priority))
         live = self.durable[session_id] = Live(self.log.states[session_id])
         live.last_used, live.idle_since = self.order(), self.clock()
+        live.active_at = live.idle_since
         return live
 
     def open_request(self) -> Live:
@@ -127,6 +129,7 @@ class Sessions:
         self.log.append(*records)
         child = self.durable[child_id] = Live(self.log.states[child_id])
         child.last_used, child.idle_since = self.order(), self.clock()
+        child.active_at = child.idle_since
         return child
 
     def _new_id(self, session_id: str | None, otherwise: str) -> str:
@@ -170,7 +173,7 @@ class Sessions:
                 if (info is None or info.identity != self.descriptor.identity or info.tokens != tokens
                         or info.tag not in owners):
                     state.parked = None  # the record names KV the segment no longer holds
-            live = self.durable[state.id] = Live(state)
+            live = self.durable[state.id] = Live(state, active_at=self.clock())  # idle from this start on
             self.parked_count += state.parked is not None
             self.turns_closed += self._close_left_open(live)
 

@@ -33,6 +33,7 @@ class Counters:
     rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # and how long they had run (the work thrown away, at most)
+    expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -67,6 +68,7 @@ class HostStats(msgspec.Struct, frozen=True):
     pool_budget_bytes: int = 0  # the pool's export budget
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # how long those steps had run
+    expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
 
 
 class Publisher:

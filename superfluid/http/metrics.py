@@ -40,6 +40,7 @@ HOST_SERIES = (
     ("interrupted_steps", "counter", "Steps stopped part-way for a request that went first.", "interrupted_steps"),
     ("interrupted_seconds", "counter", "Seconds the interrupted steps had run.", "interrupted_seconds"),
     ("rejected", "counter", "Generations answered 503: the wait queue was full or waited too long.", "rejected"),
+    ("expired_sessions", "counter", "Sessions deleted after --session-expiry-seconds idle.", "expired_sessions"),
     ("pool_bytes_used", "gauge", "Bytes the KV pool holds.", "pool_bytes_used"),
     ("pool_entries", "gauge", "Entries in the KV pool.", "pool_entries"),
     ("pool_budget_bytes", "gauge", "Bytes of KV the pool may hold (its export budget).", "pool_budget_bytes"),

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from superfluid.http import api
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, Overloaded, PinLimit,
-                                    SessionBusy, SessionNotFound)
+                                    SessionBusy, SessionNotFound, TooManyMessages, TooManySessions)
 
 
 class HttpError(NamedTuple):
@@ -29,6 +29,8 @@ HTTP_ERRORS: dict[type[BaseException], HttpError] = {
     ContextFull: HttpError(400, "invalid_request_error", "context_length_exceeded"),
     ChatError: HttpError(400, "invalid_request_error", "chat_template_error"),
     EmptySession: HttpError(400, "invalid_request_error", "empty_session"),
+    TooManyMessages: HttpError(400, "invalid_request_error", "too_many_messages"),
+    TooManySessions: HttpError(429, "rate_limit_error", "too_many_sessions"),
     # before any byte of a response: the client may retry (Retry-After says when)
     Overloaded: HttpError(503, "server_error", "overloaded"),
     HostClosed: HttpError(503, "server_error", "shutting_down"),

@@ -129,3 +129,19 @@ def test_a_stream_whose_client_stops_reading_is_cut_after_the_send_deadline(tmp_
         reader.close()
     finally:
         assert server.stop() == 0
+
+
+def test_the_caps_on_sessions_and_messages_answer_429_and_400_naming_the_flag(tiny_models, tmp_path):
+    server = Served(tiny_models["f32"].gguf, tmp_path, "--max-sessions", "1", "--max-messages", "2")
+    try:
+        assert send(server, "/v1/sessions", {})[0] == 201
+        status, body = send(server, "/v1/sessions", {})
+        assert status == 429 and body["error"]["code"] == "too_many_sessions" and "--max-sessions" in \
+            body["error"]["message"]
+        three = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+        status, body = send(server, "/v1/chat/completions", chat_body(server, messages=three))
+        assert status == 400 and body["error"]["code"] == "too_many_messages" and "--max-messages" in \
+            body["error"]["message"]
+        assert send(server, "/v1/chat/completions", chat_body(server, messages=three[1:]))[0] == 200
+    finally:
+        assert server.stop() == 0

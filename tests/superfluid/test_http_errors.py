@@ -6,7 +6,7 @@ import pytest
 from superfluid.host.chat import TemplateRewrites
 from superfluid.http import api, responses
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, LogCorrupt, Overloaded,
-                                    PinLimit, SessionBusy, SessionNotFound)
+                                    PinLimit, SessionBusy, SessionNotFound, TooManyMessages, TooManySessions)
 
 
 @pytest.mark.parametrize("error, status, kind, code", [
@@ -16,6 +16,8 @@ from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostCl
     (ContextFull("session 'x' holds 8192 tokens"), 400, "invalid_request_error", "context_length_exceeded"),
     (ChatError("the chat template refused the conversation"), 400, "invalid_request_error", "chat_template_error"),
     (EmptySession("session 'x' holds no tokens"), 400, "invalid_request_error", "empty_session"),
+    (TooManyMessages("5 messages in one request"), 400, "invalid_request_error", "too_many_messages"),
+    (TooManySessions("the host holds 9 sessions"), 429, "rate_limit_error", "too_many_sessions"),
     # a subclass is answered as its nearest listed class
     (TemplateRewrites("the template rewrites earlier turns"), 400, "invalid_request_error", "chat_template_error"),
     (Overloaded("64 generations wait", retry_after=3), 503, "server_error", "overloaded"),
