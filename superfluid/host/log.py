@@ -25,6 +25,7 @@ none of them is opened through a symbolic link.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from superfluid.host.log_format import (FILE_HEADER, FILE_NAME, MAX_RECORD, VERS
                                         open_private, read_private, replace_private, scan, version_of)
 from superfluid.host.sampling import Sampling
 
+LOG = logging.getLogger(__name__)
 COMPACTION_FLOOR = 1 << 20  # bytes written before compaction is considered (and between two looks)
 SYNC_POLICIES = ("tick", "commit", "never")
 # The most tokens one Tokens record carries (at most 5 bytes each in msgpack: 5 MiB, far below
@@ -171,6 +173,46 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
         del states[record.session]
 
 
+class LogWriteFailed(OSError):
+    """A batch of records could not be written (ENOSPC, EIO, ...): none of it is in the log, and
+    the sessions it touched are as the log has them. The host goes on; their generations end."""
+
+    def __init__(self, sessions: set[str], cause: OSError) -> None:
+        super().__init__(cause.errno, f"the session log could not be written ({cause.strerror or cause}); this "
+                         "generation's last tokens were not kept. Free space (or fix the disk) and retry: the "
+                         "host goes on, and writes resume when the disk takes them")
+        self.sessions = sessions
+
+
+def undo_of(states: dict[str, SessionState], record: Record) -> Callable[[], None]:
+    """What puts `states` back as they are now once `record` is applied to them."""
+    state = states.get(record.session)
+    if isinstance(record, Opened):
+        return lambda: states.pop(record.session, None)
+    if state is None:
+        return lambda: None
+    if isinstance(record, Deleted):
+        return lambda: states.__setitem__(record.session, state)
+    if isinstance(record, Tokens):
+        length = len(state.tokens)
+        return lambda: state.tokens.__delitem__(slice(length, None))
+    if isinstance(record, Turn):
+        count = len(state.messages)
+
+        def drop_turn() -> None:
+            del state.messages[count:], state.message_ends[count:]
+        return drop_turn
+    parked = state.parked
+    if isinstance(record, Parked):
+        return lambda: setattr(state, "parked", parked)
+    # Trimmed: what the cut takes, kept to be put back
+    tokens, messages, ends = list(state.tokens), list(state.messages), list(state.message_ends)
+
+    def untrim() -> None:
+        state.tokens[:], state.messages[:], state.message_ends[:], state.parked = tokens, messages, ends, parked
+    return untrim
+
+
 def decode_record(payload: bytes, where: str) -> Record:
     """The record a frame carries; LogCorrupt when an intact frame holds no record this code knows
     (a log another version of superfluid wrote)."""
@@ -217,7 +259,8 @@ class SessionLog:
     def _open(self) -> None:
         self._lock = threading.Lock()
         self._dirty = False
-        self._batch: list[bytes] | None = None  # frames held for one write (see batch)
+        self._batch: list[tuple[Record, bytes]] | None = None  # records held for one write (see batch)
+        self._undo: list[Callable[[], None]] = []  # what puts the states back if that write fails
         self._batch_thread: int | None = None
         self._syncer: _Syncer | None = None
         self.states: dict[str, SessionState] = {}
@@ -298,8 +341,11 @@ class SessionLog:
             self._check_all(records)  # nothing that contradicts the log is ever written to it
             if self._batch is not None and self._batch_thread == threading.get_ident():
                 self._batch.extend(encoded)
-            else:
-                self._write_and_count(encoded)
+                for record in records:  # what puts the states back if the batch's write fails
+                    self._undo.append(undo_of(self.states, record))
+                    apply(self.states, record)
+                return
+            self._write_and_count(encoded)  # (a failed write raises here: the states stay as on disk)
             for record in records:
                 apply(self.states, record)
 
@@ -308,18 +354,29 @@ class SessionLog:
         """Hold what this thread appends inside the block and write it in one `write` at its end
         (the scheduler wraps a step's commits: one write per tick, not one per token). The states
         change at each append; nothing appended may be reported to anyone before the block ends.
-        Appends from other threads are written at once, as always."""
+        Appends from other threads are written at once, as always.
+
+        LogWriteFailed when the write fails (a full disk, an I/O error): nothing of the batch is
+        in the file, and the states are put back as the file has them (its records undone, the
+        last first), so the log goes on and the next write may succeed; the error names every
+        session whose records were in it."""
         with self._lock:
             if self._batch is not None:
                 raise RuntimeError("the session log's batches do not nest")
-            self._batch, self._batch_thread = [], threading.get_ident()
+            self._batch, self._batch_thread, self._undo = [], threading.get_ident(), []
         try:
             yield
         finally:
             with self._lock:
-                held, self._batch, self._batch_thread = self._batch, None, None
+                held, undo = self._batch, self._undo
+                self._batch, self._batch_thread, self._undo = None, None, []
                 if held:
-                    self._write_and_count(held)
+                    try:
+                        self._write_and_count(held)
+                    except OSError as exc:
+                        for step in reversed(undo):
+                            step()
+                        raise LogWriteFailed({record.session for record, _ in held}, exc) from exc
 
     def _write_and_count(self, encoded: list[tuple[Record, bytes]]) -> None:
         """Frame and write `encoded` records (the lock held), numbered in the order they reach
@@ -425,6 +482,19 @@ class SessionLog:
             self._written_since_compaction = 0
             self._next_compaction_check = COMPACTION_FLOOR
             self._dirty = False
+
+    def compact_or_wait(self) -> bool:
+        """compact(), or when the disk refuses it (no room for the new file), leave the log as it
+        is and look again only after COMPACTION_FLOOR more bytes: True if it compacted."""
+        try:
+            self.compact()
+            return True
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path.with_suffix(".compacting"))
+            self._next_compaction_check = self._written_since_compaction + COMPACTION_FLOOR
+            LOG.warning("the session log could not be compacted (%s); it grows until the next try", exc)
+            return False
 
     def close(self) -> None:
         """Sync (whatever the policy: a clean stop loses nothing) and close."""

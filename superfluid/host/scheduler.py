@@ -23,6 +23,7 @@ while any generation is active:
 
 from __future__ import annotations
 
+import logging
 import itertools
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
-from superfluid.host.log import SessionLog, Trimmed
+from superfluid.host.log import LogWriteFailed, SessionLog, Trimmed
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
 from superfluid.host.session import Generation, Piece, Wakes, wake_readers
 from superfluid.host.sessions import Sessions
@@ -47,6 +48,7 @@ from superfluid.host.stats import Counters, HostStats, Publisher
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,16 @@ class Scheduler:
         (the "tick" policy's idle tick)."""
         self.kv.park_idle(self.clock(), generating=False)
         self.expire_idle_sessions()
-        self.log.sync_soon()
+        self._sync_soon()
+
+    def _sync_soon(self) -> None:
+        """Have the log synced; an fsync the disk refused is retried at the next one (what it
+        covers is written, in the page cache: only a power cut before a sync succeeds loses it)."""
+        try:
+            self.log.sync_soon()
+        except OSError as exc:
+            self.counters.log_sync_failures += 1
+            LOG.warning("the session log could not be synced (%s); retrying at the next tick", exc)
 
     def expire_idle_sessions(self) -> None:
         """Delete the sessions idle for `session_expiry_seconds` (never a pinned one, nor one
@@ -178,7 +189,8 @@ class Scheduler:
                          cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
                          interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
-                         expired_sessions=c.expired_sessions)
+                         expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
+                         log_sync_failures=c.log_sync_failures)
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics where due (`force`: now), then tell the generations that ended."""
@@ -246,9 +258,9 @@ class Scheduler:
             self._step([(live, request) for live, request in prefill
                         if live.job is not None and live.seq == request.seq])
         self.kv.relieve_pressure()
-        self.log.sync_soon()
+        self._sync_soon()
         if self.log.should_compact():
-            self.log.compact()
+            self.log.compact_or_wait()
 
     def _end_cancelled_and_late(self, now: float) -> None:
         limit = self.policy.max_wait_seconds
@@ -373,15 +385,34 @@ class Scheduler:
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []
         try:
-            with self.log.batch():
-                self._commit_step(requests, results)
-            outbox = self._outbox
+            try:
+                with self.log.batch():
+                    self._commit_step(requests, results)
+                outbox = self._outbox
+            except LogWriteFailed as failed:
+                outbox = self._write_failed(failed, requests)
         finally:
             self._outbox = None
         wakes: Wakes = {}
         for generation, piece in outbox:
             generation._put(piece, wakes)
         wake_readers(wakes)  # each reader's loop woken once for the whole step
+
+    def _write_failed(self, failed: LogWriteFailed, requests: list) -> list:
+        """The step's records could not be written (the log put the sessions back as the file has
+        them): every generation whose session was in the write ends with the error, its lane cut
+        back to its session; the others (request lanes, which write no records) go on. The
+        pieces still owed to those others."""
+        self.sessions.recount_parked()
+        self.counters.log_write_failures += 1
+        touched = failed.sessions
+        self.publisher.fail_ended(touched, failed)  # a reply that ended in this step: its end was not written
+        for live, _ in requests:
+            if live.durable and live.state.id in touched:
+                self.kv.cut(live, len(live.state.tokens))
+                if live.job is not None:
+                    self.finish(live, "error", failed)
+        return [(generation, piece) for generation, piece in self._outbox if generation.session_id not in touched]
 
     def _commit_step(self, requests: list, results: list) -> None:
         """Count what a step fed, sample and commit each lane's next token, checkpoint."""

@@ -20,6 +20,7 @@ Everything here runs on the scheduler thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,7 @@ from superfluid.host.session import SessionInfo
 if TYPE_CHECKING:
     from superfluid.host.kv import KVManager
 
+LOG = logging.getLogger(__name__)
 REQUEST_PREFIX = "request-"  # ids of request lanes (never a session's: those are minted as hex or by a worker name)
 
 
@@ -97,8 +99,12 @@ class Sessions:
 
     def parked(self, live: Live, entry: int, tokens: int) -> None:
         """Record that pool entry `entry` holds the KV of `live`'s first `tokens` tokens (the KV
-        manager, which put it there, holds it)."""
-        self.record(live, Parked(live.state.id, entry, tokens))
+        manager, which put it there, holds it). A disk that refuses the record loses nothing: the
+        pool's prefix index still finds the entry, and the session prefills what it cannot."""
+        try:
+            self.record(live, Parked(live.state.id, entry, tokens))
+        except OSError as exc:
+            LOG.warning("the session log could not record session %r's parked KV (%s)", live.state.id, exc)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -157,6 +163,10 @@ class Sessions:
         else:
             del self.requests[live.state.id]
 
+    def recount_parked(self) -> None:
+        """Count the sessions whose state records parked KV again (after the log put states back)."""
+        self.parked_count = sum(1 for live in self.durable.values() if live.state.parked is not None)
+
     def recover(self, pool: Pool) -> None:
         """Sessions from the replayed log, each with the KV it had parked if the segment still
         holds it (any other cached prefix is found by the pool's prefix index when it resumes)."""
@@ -175,7 +185,7 @@ class Sessions:
                     state.parked = None  # the record names KV the segment no longer holds
             live = self.durable[state.id] = Live(state, active_at=self.clock())  # idle from this start on
             self.parked_count += state.parked is not None
-            self.turns_closed += self._close_left_open(live)
+            self.turns_closed += self.close_left_open(live)
 
     # ----------------------------------------------------------------------------- chat
 
@@ -316,7 +326,7 @@ class Sessions:
         tokens = self.engine.tokenize(closing, special=True) if closing else []
         self.commit(live, tokens, Turn(live.state.id, "assistant", text, len(live.state.tokens) + len(tokens)))
 
-    def _close_left_open(self, live: Live) -> bool:
+    def close_left_open(self, live: Live) -> bool:
         """Close the assistant's turn a crash left open (its opening and reply were logged, the
         record closing it was not): the partial reply becomes the assistant's message, so the
         conversation goes on (a template that requires alternating roles would refuse every later

@@ -34,6 +34,8 @@ class Counters:
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # and how long they had run (the work thrown away, at most)
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
+    log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
+    log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -69,6 +71,8 @@ class HostStats(msgspec.Struct, frozen=True):
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # how long those steps had run
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
+    log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
+    log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
 
 
 class Publisher:
@@ -85,6 +89,12 @@ class Publisher:
     def ended(self, generation: Any, reason: str, error: BaseException | None) -> None:
         """A generation ended: its reader is told at the next announcement."""
         self._ended.append((generation, reason, error))
+
+    def fail_ended(self, session_ids: set[str], error: BaseException) -> None:
+        """Generations of `session_ids` that ended but were not told yet end with `error` instead
+        (what ended them was not written)."""
+        self._ended = [(generation, "error", error) if generation.session_id in session_ids else (generation, reason, e)
+                       for generation, reason, e in self._ended]
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics (if `publish`: when `force`, when a generation ended, or

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from superfluid.host.log import LogWriteFailed
 from superfluid.http import api
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, Overloaded, PinLimit,
                                     SessionBusy, SessionNotFound, TooManyMessages, TooManySessions)
@@ -34,6 +35,8 @@ HTTP_ERRORS: dict[type[BaseException], HttpError] = {
     # before any byte of a response: the client may retry (Retry-After says when)
     Overloaded: HttpError(503, "server_error", "overloaded"),
     HostClosed: HttpError(503, "server_error", "shutting_down"),
+    # the disk refused the session log's write: the server's fault, retried once it has room
+    LogWriteFailed: HttpError(507, "server_error", "log_write_failed"),
 }
 
 

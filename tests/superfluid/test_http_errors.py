@@ -4,6 +4,7 @@ began and an error event inside one say the same status, type and code."""
 import pytest
 
 from superfluid.host.chat import TemplateRewrites
+from superfluid.host.log import LogWriteFailed
 from superfluid.http import api, responses
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, LogCorrupt, Overloaded,
                                     PinLimit, SessionBusy, SessionNotFound, TooManyMessages, TooManySessions)
@@ -22,6 +23,7 @@ from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostCl
     (TemplateRewrites("the template rewrites earlier turns"), 400, "invalid_request_error", "chat_template_error"),
     (Overloaded("64 generations wait", retry_after=3), 503, "server_error", "overloaded"),
     (HostClosed("the host is closed"), 503, "server_error", "shutting_down"),
+    (LogWriteFailed({"a"}, OSError(28, "No space left on device")), 507, "server_error", "log_write_failed"),
 ])
 def test_a_response_and_an_event_inside_a_stream_answer_an_error_alike(error, status, kind, code):
     answered, body, _ = responses.error_response(error)

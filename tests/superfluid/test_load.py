@@ -507,7 +507,9 @@ def test_a_lane_idle_past_idle_park_seconds_is_parked(cell_host, clock):
 def test_only_a_session_longer_than_every_cell_is_context_full(cell_host):
     host, _ = cell_host(cells=1024)
     s = host.session()
-    s.append_tokens(prompt(0, 1100))
+    with pytest.raises(ContextFull, match="appending 1100 tokens would pass the 1024"):
+        s.append_tokens(prompt(0, 1100))  # refused whole: nothing could ever be done with it
+    s.append_tokens(prompt(0, 1024))  # one session's whole: no room left to generate
     with pytest.raises(ContextFull, match="at most 1024"):
         s.generate(max_tokens=4)
     fits = host.session()

@@ -1,0 +1,119 @@
+"""A write error (a full disk, an I/O error) ends only the generations whose records it touches,
+with an error naming the cause; the host stays up, and writes resume when the disk takes them."""
+
+import errno
+
+import pytest
+
+from superfluid.host.log import Deleted, LogWriteFailed
+from superfluid.host.request import GenerateRequest, Prompt
+
+
+class FullDisk:
+    """The host's log writes fail with ENOSPC while `full` is set."""
+
+    def __init__(self, log) -> None:
+        self.full, self.refused = False, 0
+        self._write = log._write
+
+        def write(blob: bytes) -> None:
+            if self.full:
+                self.refused += 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self._write(blob)
+        log._write = write
+
+
+def test_a_full_disk_ends_the_generations_it_touches_and_the_host_goes_on(open_host):
+    host = open_host()
+    disk = FullDisk(host._log)
+    chat = host.session()
+    chat.append_user("Tell me about Paris.")
+    generation = chat.generate(max_tokens=40, ignore_eos=True)
+    pieces = iter(generation)
+    for _ in range(3):
+        next(pieces)
+    disk.full = True
+    with pytest.raises(LogWriteFailed, match="could not be written .*No space left on device"):
+        for _ in pieces:
+            pass
+    assert disk.refused >= 1 and len(generation.tokens) < 40
+    # a one-shot request writes no records: it is served while the disk is full
+    prompt = host.prepare(Prompt(messages=(("user", "Hi"),)))
+    _, request = host.call(host.commands.start_request, prompt, GenerateRequest(max_tokens=4, ignore_eos=True))
+    request.collect()
+    assert len(request.tokens) == 4
+    with pytest.raises(OSError):  # an append is refused whole while the disk is full
+        chat.append_user("And then?")
+    disk.full = False  # space came back: writes resume
+    chat.append_user("And then?")  # the reply's open turn is closed first: the roles alternate
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user"]
+    assert chat.messages[1]["content"]
+    assert len(chat.complete(max_tokens=3, ignore_eos=True)) >= 0 and host.alive()
+    kept = chat.tokens
+    host.close()
+    again = open_host()
+    assert again.session(id=chat.id).tokens == kept  # what the host held is what the log holds
+
+
+def test_every_generation_sharing_a_failed_write_is_told(open_host):
+    host = open_host()
+    disk = FullDisk(host._log)
+    sessions = [host.session() for _ in range(3)]
+    for session in sessions:
+        session.append_text("The capital of France is")
+    generations = [session.generate(max_tokens=30, ignore_eos=True) for session in sessions]
+    for generation in generations:
+        next(iter(generation))
+    disk.full = True
+    for generation in generations:
+        with pytest.raises(LogWriteFailed):
+            generation.collect()
+    disk.full = False
+    for session, generation in zip(sessions, generations):
+        assert session.tokens[-len(generation.tokens):] == generation.tokens  # each kept what its reader got
+
+
+def test_a_failed_batch_puts_every_state_back_as_the_file_has_it(tmp_path):
+    from superfluid.host.log import Opened, Parked, SessionLog, Tokens, Trimmed, Turn
+    from superfluid.host.sampling import Sampling
+
+    log = SessionLog(tmp_path)
+    log.append(Opened("a", 1.0, Sampling(), "default"), Turn("a", "user", "hi", 3), Tokens("a", 0, [1, 2, 3]),
+               Parked("a", 4, 3), Opened("gone", 1.0, Sampling(), "default"))
+    before = {sid: (list(s.tokens), list(s.messages), s.parked) for sid, s in log.states.items()}
+    size = log.path.stat().st_size
+    disk = FullDisk(log)
+    disk.full = True
+    with pytest.raises(LogWriteFailed) as failed:
+        with log.batch():
+            log.append(Tokens("a", 3, [4, 5]), Turn("a", "assistant", "x", 5), Parked("a", 9, 5))
+            log.append(Trimmed("a", 1), Tokens("a", 1, [7]))
+            log.append(Opened("b", 1.0, Sampling(), "default"), Deleted("gone"))
+            assert log.states["a"].tokens == [1, 7]  # applied as they come
+    assert failed.value.sessions == {"a", "b", "gone"} and failed.value.errno == errno.ENOSPC
+    assert {sid: (list(s.tokens), list(s.messages), s.parked) for sid, s in log.states.items()} == before
+    assert log.path.stat().st_size == size
+    disk.full = False
+    log.append(Tokens("a", 3, [8]))  # the numbering goes on as the file has it
+    log.close()
+    assert SessionLog(tmp_path).states["a"].tokens == [1, 2, 3, 8]
+
+
+def test_a_compaction_the_disk_refuses_leaves_the_log_and_waits(tmp_path, monkeypatch):
+    from superfluid.host import log_format
+    from superfluid.host.log import Opened, SessionLog, Tokens
+    from superfluid.host.sampling import Sampling
+
+    log = SessionLog(tmp_path)
+    log.append(Opened("a", 1.0, Sampling(), "default"), Tokens("a", 0, [1, 2]))
+    data = log.path.read_bytes()
+
+    def refused(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr("superfluid.host.log.replace_private", refused)
+    assert log.compact_or_wait() is False and log.path.read_bytes() == data and not log.should_compact()
+    monkeypatch.setattr("superfluid.host.log.replace_private", log_format.replace_private)
+    log.append(Tokens("a", 2, [3]))
+    log.close()
+    assert SessionLog(tmp_path).states["a"].tokens == [1, 2, 3]
