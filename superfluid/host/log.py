@@ -1,8 +1,9 @@
 """The session log: a write-ahead log of every committed change to every session.
 
 Each record is a msgspec struct, msgpack-encoded and framed (log_format.py: a header that checks
-itself, the record's number within its session, an xxh3-64 digest of the payload). Records are written before the change they describe is reported to anyone (a tick's
-records in one `write`: see `batch`); syncing to disk is grouped by policy:
+itself, the record's number within its session, an xxh3-64 digest of the payload). Records are
+written before the change they describe is reported to anyone (a tick's records in one `write`:
+see `batch`); syncing to disk is grouped by policy:
 
     tick     after each scheduler tick that wrote, an fsync on the log's own syncer thread, so the
              next step does not wait for the disk (the default). A process crash loses nothing
