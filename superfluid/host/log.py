@@ -37,8 +37,9 @@ from typing import Union
 import msgspec
 
 from superfluid.host.errors import LogCorrupt
-from superfluid.host.log_format import (FILE_HEADER, FILE_NAME, MAX_RECORD, VERSION, Damage, frame, lock_directory,
-                                        open_private, read_private, replace_private, scan, version_of)
+from superfluid.host.log_format import (FILE_HEADER, FILE_NAME, MAX_RECORD, VERSION, Damage, Frame, frame,
+                                        lock_directory, open_private, put_in_place, read_private, replace_private,
+                                        scan, version_of, write_beside)
 from superfluid.host.sampling import Sampling
 
 LOG = logging.getLogger(__name__)
@@ -233,11 +234,28 @@ def damaged_in_the_middle(path: Path, damage: Damage) -> str:
 
 def write_snapshot(path: Path, states, number: Callable[[Record], int]) -> None:
     """Make the log at `path` hold one snapshot of each of `states` (numbered by `number`), atomically."""
+    replace_private(path, snapshot_bytes([state.snapshot() for state in states], number))
+
+
+def snapshot_bytes(snapshots: list[list[Record]], number: Callable[[Record], int]) -> bytes:
+    """A whole log file holding `snapshots` (each session's records), numbered by `number`."""
     frames = [FILE_HEADER]
-    for state in states:
-        for record in state.snapshot():
-            frames.append(frame(_encoder.encode(record), number(record)))
-    replace_private(path, b"".join(frames))
+    for records in snapshots:
+        frames += [frame(_encoder.encode(record), number(record)) for record in records]
+    return b"".join(frames)
+
+
+def counter(numbers: dict[str, int]) -> Callable[[Record], int]:
+    """Numbers records in the order they are written, session by session, into `numbers` (each
+    session's next; a deletion ends its count)."""
+    def number(record: Record) -> int:
+        given = numbers.get(record.session, 0)
+        if isinstance(record, Deleted):
+            numbers.pop(record.session, None)
+        else:
+            numbers[record.session] = given + 1
+        return given
+    return number
 
 
 class SessionLog:
@@ -262,6 +280,8 @@ class SessionLog:
         self._dirty = False
         self._batch: list[tuple[Record, bytes]] | None = None  # records held for one write (see batch)
         self._undo: list[Callable[[], None]] = []  # what puts the states back if that write fails
+        self._batch_closed = threading.Condition(self._lock)  # a compaction's snapshot waits for it
+        self._compactor: threading.Thread | None = None
         self._batch_thread: int | None = None
         self._syncer: _Syncer | None = None
         self.states: dict[str, SessionState] = {}
@@ -322,12 +342,7 @@ class SessionLog:
 
     def _count(self, record: Record) -> int:
         """The number of `record` within its session, counted as written (a deletion ends the count)."""
-        number = self._numbers.get(record.session, 0)
-        if isinstance(record, Deleted):
-            self._numbers.pop(record.session, None)
-        else:
-            self._numbers[record.session] = number + 1
-        return number
+        return counter(self._numbers)(record)
 
     def append(self, *records: Record) -> None:
         """Write `records` (one write call) and apply them to the states; fsync now if the policy
@@ -371,6 +386,7 @@ class SessionLog:
             with self._lock:
                 held, undo = self._batch, self._undo
                 self._batch, self._batch_thread, self._undo = None, None, []
+                self._batch_closed.notify_all()
                 if held:
                     try:
                         self._write_and_count(held)
@@ -473,32 +489,76 @@ class SessionLog:
         return sum(16 + 5 * len(s.tokens) + sum(len(m["content"]) for m in s.messages) for s in self.states.values())
 
     def compact(self) -> None:
-        """Rewrite the log as one snapshot per live session, atomically (a new file renamed over it)."""
+        """Rewrite the log as one snapshot per live session, atomically (a new file renamed over
+        it), here and now. An error leaves the log as it was."""
         with self._lock:
-            self._numbers = {}
-            write_snapshot(self.path, self.states.values(), self._count)
-            if hasattr(self, "_fd"):
-                os.close(self._fd)
-            self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
-            self._written_since_compaction = 0
-            self._next_compaction_check = COMPACTION_FLOOR
-            self._dirty = False
+            numbers: dict[str, int] = {}
+            write_snapshot(self.path, self.states.values(), counter(numbers))
+            self._compacted(numbers)
 
-    def compact_or_wait(self) -> bool:
-        """compact(), or when the disk refuses it (no room for the new file), leave the log as it
-        is and look again only after COMPACTION_FLOOR more bytes: True if it compacted."""
+    def _compacted(self, numbers: dict[str, int]) -> None:
+        """The new file is in place (the lock held): append to it from now on."""
+        if hasattr(self, "_fd"):
+            os.close(self._fd)
+        self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+        self._numbers = numbers
+        self._written_since_compaction = 0
+        self._next_compaction_check = COMPACTION_FLOOR
+        self._dirty = False
+
+    def compact_beside(self) -> None:
+        """Compact on a thread of its own (nothing if one runs already), so the scheduler's steps
+        do not wait for it. The snapshot is taken between two batches (under the lock: its lists
+        copied); encoding and writing it, the slow part, run beside the appends; then, under the
+        lock again, the records appended meanwhile are numbered on from the snapshot's and added,
+        and the new file takes the old one's place. A disk that refuses it leaves the log as it
+        is, to be tried again after COMPACTION_FLOOR more bytes."""
+        with self._lock:
+            if self._compactor is not None and self._compactor.is_alive():
+                return
+            self._next_compaction_check = self._written_since_compaction + COMPACTION_FLOOR  # not every tick
+            self._compactor = threading.Thread(target=self._compact_in_background, name="superfluid-log-compact",
+                                               daemon=True)
+            self._compactor.start()
+
+    def _compact_in_background(self) -> None:
+        temporary = None
         try:
-            self.compact()
-            return True
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path.with_suffix(".compacting"))
-            self._next_compaction_check = self._written_since_compaction + COMPACTION_FLOOR
+            with self._lock:
+                while self._batch is not None:  # a step's records are applied but not yet written
+                    self._batch_closed.wait()
+                if self._fd < 0:
+                    return  # closed meanwhile
+                mark = os.fstat(self._fd).st_size
+                snapshots = [state.snapshot() for state in self.states.values()]
+            numbers: dict[str, int] = {}
+            temporary = write_beside(self.path, snapshot_bytes(snapshots, counter(numbers)))
+            with self._lock:
+                if self._fd < 0:
+                    return
+                tail = read_from(self.path, mark)
+                number = counter(numbers)
+                renumbered = [frame(found.payload, number(decode_record(found.payload, "")))
+                              for found in scan(FILE_HEADER + tail, VERSION) if isinstance(found, Frame)]
+                put_in_place(temporary, self.path, b"".join(renumbered))
+                temporary = None
+                self._compacted(numbers)
+        except Exception as exc:  # noqa: BLE001 - on its own thread: said, and the log goes on as it was
             LOG.warning("the session log could not be compacted (%s); it grows until the next try", exc)
-            return False
+        finally:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+
+    def join_compaction(self) -> None:
+        """Wait for a compaction running beside the appends to end (close waits for it)."""
+        compactor = self._compactor
+        if compactor is not None:
+            compactor.join()
 
     def close(self) -> None:
         """Sync (whatever the policy: a clean stop loses nothing) and close."""
+        self.join_compaction()
         if self._syncer is not None:
             self._syncer.stop()
         with self._lock:
@@ -508,6 +568,19 @@ class SessionLog:
             os.close(self._fd)
             self._fd = -1
             os.close(self._lock_fd)
+
+
+def read_from(path: Path, offset: int) -> bytes:
+    """The bytes of the file at `path` from `offset` to its end (not through a link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.pread(fd, 1 << 20, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class _Syncer:

@@ -189,6 +189,12 @@ def read_private(path: Path) -> bytes:
 def replace_private(path: Path, data: bytes) -> None:
     """Make `data` the content of `path` atomically: written to a new 0600 file beside it, synced,
     renamed over it, and the directory synced (a crash leaves the old file or the new one)."""
+    temporary = write_beside(path, data)
+    put_in_place(temporary, path)
+
+
+def write_beside(path: Path, data: bytes) -> Path:
+    """`data` written and synced to a new 0600 file beside `path` (the file it will replace); its path."""
     temporary = path.with_suffix(".compacting")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)  # a crash's leftover (a link there is removed, not followed)
@@ -197,6 +203,20 @@ def replace_private(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    return temporary
+
+
+def put_in_place(temporary: Path, path: Path, more: bytes = b"") -> None:
+    """Append `more` to `temporary` (synced), rename it over `path`, and sync the directory."""
+    if more:
+        fd = os.open(temporary, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            view = memoryview(more)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.replace(temporary, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:

@@ -23,8 +23,8 @@ while any generation is active:
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,8 +154,12 @@ class Scheduler:
         self._next_expiry_sweep = now + max(expiry / 10, 0.1)
         for live in [live for live in self.sessions.durable.values()
                      if live.job is None and not live.pinned and now - live.active_at >= expiry]:
+            try:
+                self.sessions.remove(live)  # logged first: a disk that refuses it leaves the session whole
+            except OSError as exc:
+                LOG.warning("expiring session %r: the session log refused its deletion (%s)", live.state.id, exc)
+                return
             self.kv.drop(live)
-            self.sessions.remove(live)
             self.counters.expired_sessions += 1
 
     def end_round(self, closing: bool) -> None:
@@ -260,7 +264,7 @@ class Scheduler:
         self.kv.relieve_pressure()
         self._sync_soon()
         if self.log.should_compact():
-            self.log.compact_or_wait()
+            self.log.compact_beside()  # on a thread of its own: no step waits for it
 
     def _end_cancelled_and_late(self, now: float) -> None:
         limit = self.policy.max_wait_seconds

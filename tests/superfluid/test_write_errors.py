@@ -98,22 +98,3 @@ def test_a_failed_batch_puts_every_state_back_as_the_file_has_it(tmp_path):
     log.append(Tokens("a", 3, [8]))  # the numbering goes on as the file has it
     log.close()
     assert SessionLog(tmp_path).states["a"].tokens == [1, 2, 3, 8]
-
-
-def test_a_compaction_the_disk_refuses_leaves_the_log_and_waits(tmp_path, monkeypatch):
-    from superfluid.host import log_format
-    from superfluid.host.log import Opened, SessionLog, Tokens
-    from superfluid.host.sampling import Sampling
-
-    log = SessionLog(tmp_path)
-    log.append(Opened("a", 1.0, Sampling(), "default"), Tokens("a", 0, [1, 2]))
-    data = log.path.read_bytes()
-
-    def refused(path, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr("superfluid.host.log.replace_private", refused)
-    assert log.compact_or_wait() is False and log.path.read_bytes() == data and not log.should_compact()
-    monkeypatch.setattr("superfluid.host.log.replace_private", log_format.replace_private)
-    log.append(Tokens("a", 2, [3]))
-    log.close()
-    assert SessionLog(tmp_path).states["a"].tokens == [1, 2, 3]
