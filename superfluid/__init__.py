@@ -9,9 +9,11 @@ from superfluid import parts
 
 parts.check()  # before anything imports `engines` or `kvpool` for real use
 
-from superfluid.host.errors import (ChatError, ContextFull, GenerationTimeout, HostClosed, LogCorrupt, Overloaded,
-                                    PinLimit, SessionBusy, SessionNotFound, SuperfluidError)
+from superfluid.host.errors import (ChatError, ContextFull, EmptySession, GenerationTimeout, HostClosed, LogCorrupt,
+                                    Overloaded, PinLimit, SessionBusy, SessionNotFound, SuperfluidError,
+                                    TooManyMessages, TooManySessions)
 from superfluid.host.host import Host
+from superfluid.host.log import LogWriteFailed
 from superfluid.host.sampling import Sampling
 from superfluid.host.session import Generation, Piece, Session, SessionInfo
 
@@ -37,6 +39,6 @@ def __getattr__(name: str):
     return module if attribute is None else getattr(module, attribute)
 
 
-__all__ = ["ChatError", "ContextFull", "Generation", "GenerationTimeout", "Host", "HostClosed", "LogCorrupt", "Overloaded",
-           "Piece", "PinLimit",
-           "Sampling", "Session", "SessionBusy", "SessionInfo", "SessionNotFound", "SuperfluidError", *_LAZY]
+__all__ = ["ChatError", "ContextFull", "EmptySession", "Generation", "GenerationTimeout", "Host", "HostClosed",
+           "LogCorrupt", "LogWriteFailed", "Overloaded", "Piece", "PinLimit", "Sampling", "Session", "SessionBusy",
+           "SessionInfo", "SessionNotFound", "SuperfluidError", "TooManyMessages", "TooManySessions", *_LAZY]
