@@ -33,9 +33,8 @@ class Commands:
         live = self.sessions.get(session_id)
         if idle:
             self._idle(live)
-            # a reply whose closing record could not be written (the disk refused it) left its
-            # turn open: closed before anything else is added to the session
-            self.sessions.close_left_open(live)
+            # what a record the disk refused left undone (a cut, a reply's closing), first
+            self.sessions.settle(live)
         return live
 
     def _idle(self, live: Live) -> None:

@@ -73,6 +73,7 @@ class Live:
     last_used: int = 0  # the clock of the last thing it did (least recently used is parked first)
     idle_since: float = 0.0  # when its last generation ended (for idle parking)
     active_at: float = 0.0  # when anything of it was last logged, or it was recovered (for expiry)
+    owed_cut: int | None = None  # a cut back the log refused to record, made before its next command
     since_park: int = 0  # tokens committed since the last export
     pin: int | None = None  # the pool entry pinned for it, if pinned (the pin moves to each newly parked entry)
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)

@@ -39,7 +39,7 @@ from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
-from superfluid.host.log import LogWriteFailed, SessionLog, Trimmed
+from superfluid.host.log import LogWriteFailed, SessionLog
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
 from superfluid.host.session import Generation, Piece, Wakes, wake_readers
 from superfluid.host.sessions import Sessions
@@ -528,8 +528,7 @@ class Scheduler:
         self.counters.generations += 1
         if not job.started:  # it never ran: the session is as it was before it asked
             if len(live.state.tokens) > job.opened_at:
-                self.kv.cut(live, job.opened_at)
-                self.sessions.record(live, Trimmed(live.state.id, job.opened_at))
+                self.sessions.cut_back(live, job.opened_at)
         else:  # also after an error: the transcript stays whole
             try:
                 self.sessions.close_turn(live, job)

@@ -163,6 +163,29 @@ class Sessions:
         else:
             del self.requests[live.state.id]
 
+    def cut_back(self, live: Live, length: int) -> None:
+        """Cut `live` back to its first `length` tokens (what a generation that never ran had
+        added). A disk that refuses the record leaves the session and its lane as they are, and
+        the cut owed: it is made before the session's next command (`settle`)."""
+        try:
+            self.record(live, Trimmed(live.state.id, length))
+        except OSError as exc:
+            live.owed_cut = length
+            LOG.warning("session %r: the session log refused a cut (%s); it is made before its next command",
+                        live.state.id, exc)
+            return
+        live.owed_cut = None
+        self.kv.cut(live, length)
+
+    def settle(self, live: Live) -> None:
+        """Before a command on idle `live`: the cut it owes (OSError while the disk still refuses
+        it: the command waits with it), and the turn a refused closing record left open."""
+        if live.owed_cut is not None:
+            self.record(live, Trimmed(live.state.id, live.owed_cut))
+            self.kv.cut(live, live.owed_cut)
+            live.owed_cut = None
+        self.close_left_open(live)
+
     def recount_parked(self) -> None:
         """Count the sessions whose state records parked KV again (after the log put states back)."""
         self.parked_count = sum(1 for live in self.durable.values() if live.state.parked is not None)

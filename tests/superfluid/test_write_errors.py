@@ -98,3 +98,29 @@ def test_a_failed_batch_puts_every_state_back_as_the_file_has_it(tmp_path):
     log.append(Tokens("a", 3, [8]))  # the numbering goes on as the file has it
     log.close()
     assert SessionLog(tmp_path).states["a"].tokens == [1, 2, 3, 8]
+
+
+def test_a_generation_cancelled_before_it_ran_on_a_full_disk_leaves_the_host_up(open_host):
+    # Its session is cut back to before it asked (a Trimmed record): the disk refuses that too
+    host = open_host()
+    disk = FullDisk(host._log)
+    chat = host.session()
+    chat.append_user("Hello")
+    before = chat.tokens
+
+    def ask_and_cancel():  # the opening is committed; the generation ends before any step
+        generation = host.commands.generate(chat.id, GenerateRequest(max_tokens=4))
+        disk.full = True
+        generation.cancel()
+        return generation
+
+    generation = host.call(ask_and_cancel)
+    generation.collect()  # cancelled, before it produced anything
+    assert host.alive() and generation.tokens == []
+    with pytest.raises(OSError):  # the cut is owed: the session's next command waits for the disk
+        chat.complete(max_tokens=2, ignore_eos=True)
+    disk.full = False
+    chat.complete(max_tokens=2, ignore_eos=True)  # the owed cut first: one assistant turn, not two
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.tokens[:len(before)] == before
+    opening = host.call(lambda: host.commands.sessions.opening(host.commands.sessions.get(chat.id)))
+    assert chat.tokens.count(opening[0]) == before.count(opening[0]) + 1  # one opening after the user's turn
