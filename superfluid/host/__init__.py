@@ -11,6 +11,7 @@
     kv.py             the KV manager: where KV is, what moves it, and who gets room
     lane.py           a session's place in the engine (its sequence and cells) and its job
     log.py            the session log: a write-ahead log replayed into each session's state
+    log_records.py    the log's records and how each changes a session's state
     log_format.py     how the log lies on disk: self-checking frames, numbered records, private files
     log_repair.py     checking a damaged log and keeping every intact record (superfluid log)
     transfer.py       moving one sequence's state between an engine and the pool

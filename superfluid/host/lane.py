@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from superfluid.host import sampling as sampler
-from superfluid.host.log import SessionState
+from superfluid.host.log_records import SessionState
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.session import Generation
 from superfluid.host.stream import TextStream

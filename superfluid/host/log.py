@@ -1,8 +1,8 @@
 """The session log: a write-ahead log of every committed change to every session.
 
-Each record is a msgspec struct, msgpack-encoded and framed (log_format.py: a header that checks
-itself, the record's number within its session, an xxh3-64 digest of the payload). Records are
-written before the change they describe is reported to anyone (a tick's records in one `write`:
+Each record is a msgspec struct (log_records.py), msgpack-encoded and framed (log_format.py: a
+header that checks itself, the record's number within its session, an xxh3-64 digest of the
+payload). Records are written before the change they describe is reported to anyone (a tick's records in one `write`:
 see `batch`); syncing to disk is grouped by policy:
 
     tick     after each scheduler tick that wrote, an fsync on the log's own syncer thread, so the
@@ -29,150 +29,23 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Union
-
-import msgspec
 
 from superfluid.host.errors import LogCorrupt
 from superfluid.host.log_format import (FILE_HEADER, FILE_NAME, MAX_RECORD, VERSION, Damage, Frame, frame,
-                                        lock_directory, open_private, put_in_place, read_private, replace_private,
-                                        scan, version_of, write_beside)
-from superfluid.host.sampling import Sampling
+                                        lock_directory, open_private, put_in_place, read_from, read_private,
+                                        replace_private, scan, version_of, write_beside)
+from superfluid.host.log_records import (Deleted, Opened, Record, SessionState, Tokens, Trimmed, _encoder, apply,
+                                         check, counter, decode_record, undo_of)
 
 LOG = logging.getLogger(__name__)
 COMPACTION_FLOOR = 1 << 20  # bytes written before compaction is considered (and between two looks)
 SYNC_POLICIES = ("tick", "commit", "never")
-# The most tokens one Tokens record carries (at most 5 bytes each in msgpack: 5 MiB, far below
-# the size a reader accepts): a snapshot splits a longer session's tokens.
-TOKENS_PER_RECORD = 1 << 20
 # What to do about damage in the middle of the log, said wherever it is found.
 REPAIR_ADVICE = ("Nothing was changed on disk. `superfluid log check {directory}` says what a repair keeps and "
                  "drops; `superfluid log repair {directory}` keeps every intact record (the damaged file is kept "
                  "beside it).")
-
-
-class Opened(msgspec.Struct, tag="open"):
-    """A session was created (a fork names its parent)."""
-
-    session: str
-    created: float
-    sampling: Sampling
-    priority: str
-    parent: str | None = None
-
-
-class Tokens(msgspec.Struct, tag="tokens"):
-    """Tokens committed to a session, starting at position `start`."""
-
-    session: str
-    start: int
-    tokens: list[int]
-
-
-class Turn(msgspec.Struct, tag="turn"):
-    """A chat message added to a session's conversation, whose tokens end at position `end`
-    (they come in Tokens records)."""
-
-    session: str
-    role: str
-    content: str
-    end: int
-
-
-class Trimmed(msgspec.Struct, tag="trim"):
-    """A session cut back to its first `length` tokens (and the messages that end within them)."""
-
-    session: str
-    length: int
-
-
-class Parked(msgspec.Struct, tag="park"):
-    """The KV of a session's first `tokens` tokens is in pool entry `entry` (tagged with the session id)."""
-
-    session: str
-    entry: int
-    tokens: int
-
-
-class Deleted(msgspec.Struct, tag="delete"):
-    """A session was deleted."""
-
-    session: str
-
-
-Record = Union[Opened, Tokens, Turn, Trimmed, Parked, Deleted]
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Record)
-
-
-@dataclass
-class SessionState:
-    """What the log says about one session."""
-
-    id: str
-    created: float
-    sampling: Sampling
-    priority: str
-    parent: str | None = None
-    tokens: list[int] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)
-    message_ends: list[int] = field(default_factory=list)  # token position where each message ends
-    parked: tuple[int, int] | None = None  # (pool entry, tokens it covers)
-
-    def snapshot(self) -> list[Record]:
-        """The records that recreate this state."""
-        records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent)]
-        records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
-        # a long session's tokens in several records, so none nears the size a reader accepts
-        for start in range(0, len(self.tokens), TOKENS_PER_RECORD):
-            records.append(Tokens(self.id, start, self.tokens[start:start + TOKENS_PER_RECORD]))
-        if self.parked is not None:
-            records.append(Parked(self.id, *self.parked))
-        return records
-
-
-def check(record: Record, length: int | None, where: str = "") -> None:
-    """LogCorrupt when `record` contradicts its session, which holds `length` tokens (None: no
-    such session)."""
-    if isinstance(record, (Opened, Deleted)):
-        return
-    if length is None:
-        raise LogCorrupt(f"session log{where}: a {type(record).__name__} record for session {record.session!r}, which "
-                         "was never opened; the log is not one superfluid wrote in order. Move it aside to start empty")
-    if isinstance(record, Tokens) and record.start != length:
-        raise LogCorrupt(f"session log{where}: session {record.session!r} has {length} tokens but a "
-                         f"record continues it at {record.start}; move the log aside to start empty")
-
-
-def apply(states: dict[str, SessionState], record: Record, where: str = "") -> None:
-    """Apply one record to the replayed states (LogCorrupt when it contradicts them)."""
-    state = states.get(record.session)
-    check(record, None if state is None else len(state.tokens), where)
-    if isinstance(record, Opened):
-        states[record.session] = SessionState(record.session, record.created, record.sampling, record.priority,
-                                              record.parent)
-        return
-    state = states.get(record.session)
-    if state is None:
-        return  # a deletion of a session already gone
-    if isinstance(record, Tokens):
-        state.tokens.extend(record.tokens)
-    elif isinstance(record, Turn):
-        state.messages.append({"role": record.role, "content": record.content})
-        state.message_ends.append(record.end)
-    elif isinstance(record, Trimmed):
-        del state.tokens[record.length:]
-        kept = sum(1 for end in state.message_ends if end <= record.length)
-        del state.messages[kept:], state.message_ends[kept:]
-        if state.parked is not None and state.parked[1] > record.length:
-            state.parked = None
-    elif isinstance(record, Parked):
-        state.parked = (record.entry, record.tokens)
-    elif isinstance(record, Deleted):
-        del states[record.session]
 
 
 class LogWriteFailed(OSError):
@@ -184,45 +57,6 @@ class LogWriteFailed(OSError):
                          "generation's last tokens were not kept. Free space (or fix the disk) and retry: the "
                          "host goes on, and writes resume when the disk takes them")
         self.sessions = sessions
-
-
-def undo_of(states: dict[str, SessionState], record: Record) -> Callable[[], None]:
-    """What puts `states` back as they are now once `record` is applied to them."""
-    state = states.get(record.session)
-    if isinstance(record, Opened):
-        return lambda: states.pop(record.session, None)
-    if state is None:
-        return lambda: None
-    if isinstance(record, Deleted):
-        return lambda: states.__setitem__(record.session, state)
-    if isinstance(record, Tokens):
-        length = len(state.tokens)
-        return lambda: state.tokens.__delitem__(slice(length, None))
-    if isinstance(record, Turn):
-        count = len(state.messages)
-
-        def drop_turn() -> None:
-            del state.messages[count:], state.message_ends[count:]
-        return drop_turn
-    parked = state.parked
-    if isinstance(record, Parked):
-        return lambda: setattr(state, "parked", parked)
-    # Trimmed: what the cut takes, kept to be put back
-    tokens, messages, ends = list(state.tokens), list(state.messages), list(state.message_ends)
-
-    def untrim() -> None:
-        state.tokens[:], state.messages[:], state.message_ends[:], state.parked = tokens, messages, ends, parked
-    return untrim
-
-
-def decode_record(payload: bytes, where: str) -> Record:
-    """The record a frame carries; LogCorrupt when an intact frame holds no record this code knows
-    (a log another version of superfluid wrote)."""
-    try:
-        return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise LogCorrupt(f"session log{where}: an intact frame holds no record this superfluid reads ({exc}); "
-                         "was the log written by a newer superfluid?") from None
 
 
 def damaged_in_the_middle(path: Path, damage: Damage) -> str:
@@ -243,19 +77,6 @@ def snapshot_bytes(snapshots: list[list[Record]], number: Callable[[Record], int
     for records in snapshots:
         frames += [frame(_encoder.encode(record), number(record)) for record in records]
     return b"".join(frames)
-
-
-def counter(numbers: dict[str, int]) -> Callable[[Record], int]:
-    """Numbers records in the order they are written, session by session, into `numbers` (each
-    session's next; a deletion ends its count)."""
-    def number(record: Record) -> int:
-        given = numbers.get(record.session, 0)
-        if isinstance(record, Deleted):
-            numbers.pop(record.session, None)
-        else:
-            numbers[record.session] = given + 1
-        return given
-    return number
 
 
 class SessionLog:
@@ -568,19 +389,6 @@ class SessionLog:
             os.close(self._fd)
             self._fd = -1
             os.close(self._lock_fd)
-
-
-def read_from(path: Path, offset: int) -> bytes:
-    """The bytes of the file at `path` from `offset` to its end (not through a link)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.pread(fd, 1 << 20, offset):
-            chunks.append(chunk)
-            offset += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 class _Syncer:

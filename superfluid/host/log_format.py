@@ -186,6 +186,19 @@ def read_private(path: Path) -> bytes:
         return handle.read()
 
 
+def read_from(path: Path, offset: int) -> bytes:
+    """The bytes of the file at `path` from `offset` to its end (not through a link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.pread(fd, 1 << 20, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def replace_private(path: Path, data: bytes) -> None:
     """Make `data` the content of `path` atomically: written to a new 0600 file beside it, synced,
     renamed over it, and the directory synced (a crash leaves the old file or the new one)."""

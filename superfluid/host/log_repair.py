@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from superfluid.host.errors import LogCorrupt
-from superfluid.host.log import Deleted, SessionState, apply, decode_record, write_snapshot
+from superfluid.host.log import write_snapshot
+from superfluid.host.log_records import Deleted, SessionState, apply, decode_record
 from superfluid.host.log_format import FILE_NAME, Damage, lock_directory, open_private, read_private, scan, version_of
 
 

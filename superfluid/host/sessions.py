@@ -27,11 +27,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool import EntryNotFound, Pool
-from superfluid.host import log as session_log
+from superfluid.host import log_records
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
 from superfluid.host.errors import ChatError, ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
-from superfluid.host.log import Deleted, Opened, Parked, Record, SessionLog, SessionState, Tokens, Trimmed, Turn
+from superfluid.host.log import SessionLog
+from superfluid.host.log_records import Deleted, Opened, Parked, Record, SessionState, Tokens, Trimmed, Turn
 from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
 from superfluid.host.sampling import Sampling
 from superfluid.host.session import SessionInfo
@@ -88,7 +89,7 @@ class Sessions:
             return
         states = {live.state.id: live.state}
         for record in records:
-            session_log.apply(states, record)
+            log_records.apply(states, record)
 
     def commit(self, live: Live, tokens: list[int], *records: Record, at: int | None = None) -> None:
         """Append `tokens` to `live` (after `records`): logged before anyone hears of them. `at`:

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from superfluid.host.errors import LogCorrupt
-from superfluid.host.log import FILE_HEADER, Deleted, Opened, Parked, SessionLog, Tokens, Trimmed, Turn
+from superfluid.host.log import FILE_HEADER, SessionLog
+from superfluid.host.log_records import Deleted, Opened, Parked, Tokens, Trimmed, Turn
 from superfluid.host.sampling import Sampling
 
 

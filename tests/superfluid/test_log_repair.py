@@ -13,8 +13,10 @@ import pytest
 import xxhash
 
 from superfluid.host import log as log_module
+from superfluid.host import log_records
 from superfluid.host.errors import LogCorrupt
-from superfluid.host.log import Opened, SessionLog, Tokens, Turn
+from superfluid.host.log import SessionLog
+from superfluid.host.log_records import Opened, Tokens, Turn
 from superfluid.host.log_format import FILE_HEADER, Damage, file_header, scan
 from superfluid.host.log_repair import examine, repair
 from superfluid.host.sampling import Sampling
@@ -208,7 +210,7 @@ def test_a_record_over_the_limit_is_refused_before_it_is_written_and_long_sessio
     with pytest.raises(ValueError, match="over the log's 200-byte limit"):
         log.append(Tokens("a", 0, list(range(1000, 1200))))
     assert log.path.stat().st_size == size and log.states["a"].tokens == []
-    monkeypatch.setattr(log_module, "TOKENS_PER_RECORD", 30)
+    monkeypatch.setattr(log_records, "TOKENS_PER_RECORD", 30)
     log.append(*[Tokens("a", start, list(range(start, start + 10))) for start in range(0, 100, 10)])
     snapshot = log.states["a"].snapshot()
     assert [len(record.tokens) for record in snapshot if isinstance(record, Tokens)] == [30, 30, 30, 10]
