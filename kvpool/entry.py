@@ -46,6 +46,7 @@ class EntryInfo(msgspec.Struct, frozen=True):
     pins: int  # explicit pins plus open views
     tag: str
     recompute_cost: float
+    namespace: str = ""  # only lookups in this namespace find it by prefix
 
 
 @dataclass(eq=False)
@@ -86,7 +87,8 @@ class EntryRecord:
         """A snapshot of the entry for callers."""
         h = self.header
         return EntryInfo(h.serial, h.identity, h.live, h.capacity, self.stored_bytes, self.live_bytes,
-                         self.slack_bytes, self.refcount, self.pins + self.views, h.tag, h.recompute_cost)
+                         self.slack_bytes, self.refcount, self.pins + self.views, h.tag, h.recompute_cost,
+                         h.namespace)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

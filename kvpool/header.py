@@ -10,6 +10,12 @@ checksum is treated as absent, so a torn write loses only the change being writt
 The checksum covers the length, the generation and the payload. Payloads are msgpack arrays
 (array_like Structs); fields are only ever appended, with defaults, so an older reader decodes a
 newer header and `version` says which layout wrote it.
+
+Versions: 1 had no namespace; 2 added the entry's prefix namespace (whose requests may share its
+prefix: a tenant, and a salt a request may add). A version-1 pool is read as version 2 with every
+entry in the empty namespace, and its header is rewritten as version 2 by the first process that
+attaches it, so a release that knows only version 1 refuses it whole rather than sharing across
+namespaces it cannot see.
 """
 
 from __future__ import annotations
@@ -21,14 +27,15 @@ import msgspec
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # what attach reads (see above)
 MAGIC = b"SFKV"
 FRAME = struct.Struct("<4sIQQ")
 
 POOL_HEADER_HALF = 2048  # the pool header region is 2 halves at the start of the segment
 ENTRY_SLOT_HALF = 512  # each entry slot is 2 halves of this size
 ENTRY_SLOT_BYTES = 2 * ENTRY_SLOT_HALF
-MAX_TEXT = 96  # longest identity or tag in UTF-8 bytes, so a header fits its half
+MAX_TEXT = 96  # longest identity, tag or namespace in UTF-8 bytes, so a header fits its half
 
 
 class EntryState(IntEnum):
@@ -84,6 +91,7 @@ class EntryHeader(msgspec.Struct, frozen=True, array_like=True):
     recompute_cost: float = 0.0
     tag: str = ""
     created_at: float = 0.0
+    namespace: str = ""  # (version 2) only requests of this namespace find the entry by prefix
 
 
 class _VersionProbe(msgspec.Struct, array_like=True):

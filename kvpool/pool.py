@@ -28,7 +28,7 @@ from kvpool.entry import EntryInfo, EntryRecord, EntryView, Writer, meta_layout
 from kvpool.errors import EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
 from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, EntryHeader, EntryState, PoolHeader, fits_entry_slot
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
-from kvpool.prefix import PrefixIndex, PrefixMatch
+from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
 from kvpool.recovery import RecoveryReport
 from kvpool.maintenance import Compacting
 from kvpool.segment import Segment
@@ -97,7 +97,8 @@ class Pool(Compacting):
             pool = cls(store)
             pool._recover()
             pool._next_serial = max(pool._next_serial, header.serial_limit)
-            store.write_pool_header(msgspec.structs.replace(header, owner_pid=os.getpid(),
+            # (a version-1 pool becomes version 2: see kvpool.header)
+            store.write_pool_header(msgspec.structs.replace(header, version=FORMAT_VERSION, owner_pid=os.getpid(),
                                                             serial_limit=pool._next_serial))
         except BaseException:
             with contextlib.suppress(PoolBusy):  # a view held by the traceback: the mapping goes with it
@@ -146,52 +147,56 @@ class Pool(Compacting):
     # ----------------------------------------------------------------------------- writing
 
     def put(self, identity: str, tokens, arrays: Sequence[KVArray], *, capacity: int | None = None, tag: str = "",
-            recompute_cost: float | None = None, engine_values: dict | None = None) -> EntryInfo | None:
+            recompute_cost: float | None = None, engine_values: dict | None = None,
+            namespace: str = "") -> EntryInfo | None:
         """Store `arrays` (one copy each, hashed on the way) and the engine's plain `engine_values`
         as a new entry held once by the caller. None when the budget has no room even after
-        compaction and eviction."""
+        compaction and eviction. Only lookups in the same `namespace` find it by prefix."""
         live = layouts.live_tokens_of(arrays)
         tokens = validation.token_ids(tokens)
         if live is not None and live != len(tokens):
             raise LayoutError(f"arrays hold {live} cells but {len(tokens)} token ids were given")
         writer = self.reserve(identity, tokens, [layouts.template_of(a) for a in arrays], capacity=capacity,
-                              tag=tag, recompute_cost=recompute_cost, engine_values=engine_values)
+                              tag=tag, recompute_cost=recompute_cost, engine_values=engine_values, namespace=namespace)
         if writer is None:
             return None
         with writer:
             return writer.commit(writer.fill(arrays))
 
-    def put_blob(self, identity: str, tokens, blob, *, tag: str = "",
-                 recompute_cost: float | None = None) -> EntryInfo | None:
+    def put_blob(self, identity: str, tokens, blob, *, tag: str = "", recompute_cost: float | None = None,
+                 namespace: str = "") -> EntryInfo | None:
         """Store an engine's opaque state blob (any bytes-like) whole, hashed on the way."""
         if isinstance(blob, np.ndarray) and not blob.flags.c_contiguous:
             raise LayoutError("an engine blob must be C-contiguous bytes (copying it here would be a hidden copy)")
         source = blob.reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else np.frombuffer(blob, np.uint8)
-        writer = self.reserve_blob(identity, tokens, source.nbytes, tag=tag, recompute_cost=recompute_cost)
+        writer = self.reserve_blob(identity, tokens, source.nbytes, tag=tag, recompute_cost=recompute_cost,
+                                   namespace=namespace)
         if writer is None:
             return None
         with writer:
             return writer.commit(writer.fill_blob(source))
 
     def reserve(self, identity: str, tokens, templates: Sequence[ArrayTemplate], *, capacity: int | None = None,
-                tag: str = "", recompute_cost: float | None = None, engine_values: dict | None = None) -> Writer | None:
+                tag: str = "", recompute_cost: float | None = None, engine_values: dict | None = None,
+                namespace: str = "") -> Writer | None:
         """Reserve a new array entry with room for `capacity` cells (default: the tokens given) and
-        return a Writer whose views the engine fills directly; None when there is no room."""
+        return a Writer whose views the engine fills directly; None when there is no room.
+        `namespace`: only lookups in it find the entry by prefix (a tenant's, say)."""
         tokens = validation.token_ids(tokens)
         capacity = len(tokens) if capacity is None else capacity
         if capacity < len(tokens):
             raise LayoutError(f"capacity {capacity} is less than the {len(tokens)} tokens given")
         layout, data_length = layouts.plan(templates, capacity, validation.engine_values(engine_values))
-        return self._reserve(identity, tokens, layout, data_length, capacity, tag, recompute_cost)
+        return self._reserve(identity, tokens, layout, data_length, capacity, tag, recompute_cost, namespace)
 
     def reserve_blob(self, identity: str, tokens, nbytes: int, *, tag: str = "",
-                     recompute_cost: float | None = None) -> Writer | None:
+                     recompute_cost: float | None = None, namespace: str = "") -> Writer | None:
         """Reserve a blob entry of `nbytes` for an engine that serialises its own state."""
         if nbytes < 0:
             raise LayoutError(f"blob size must be >= 0, got {nbytes}")
         tokens = validation.token_ids(tokens)
         return self._reserve(identity, tokens, BlobLayout(nbytes), align_up(max(nbytes, 1)), len(tokens),
-                             tag, recompute_cost)
+                             tag, recompute_cost, namespace)
 
     def extend(self, entry_id: int, tokens, *, recompute_cost: float | None = None) -> Writer:
         """A Writer for cells appended to an array entry held by at most one reference, within
@@ -293,18 +298,20 @@ class Pool(Compacting):
                                 f"{record.views} open views; release, unpin and close them before evicting")
             self._evict(record)
 
-    def lookup(self, identity: str, tokens, serves: Callable[[int, int], bool] | None = None) -> PrefixMatch | None:
-        """The ready entry of `identity` sharing the longest exact token prefix with `tokens`
-        (only entries that `serves(entry_tokens, matched)` accepts, when given)."""
+    def lookup(self, identity: str, tokens, serves: Callable[[int, int], bool] | None = None, *,
+               namespace: str = "") -> PrefixMatch | None:
+        """The ready entry of `identity` in `namespace` sharing the longest exact token prefix
+        with `tokens` (only entries that `serves(entry_tokens, matched)` accepts, when given)."""
         with self._lock:
             self._check_open()
-            return self._prefix.longest(identity, validation.token_ids(tokens), serves=serves)
+            return self._prefix.longest(prefix_space(identity, namespace), validation.token_ids(tokens),
+                                        serves=serves)
 
-    def acquire_prefix(self, identity: str, tokens) -> PrefixMatch | None:
+    def acquire_prefix(self, identity: str, tokens, *, namespace: str = "") -> PrefixMatch | None:
         """lookup() and share() the entry found, atomically (the caller must release it)."""
         with self._lock:
             self._check_open()
-            match = self._prefix.longest(identity, validation.token_ids(tokens))
+            match = self._prefix.longest(prefix_space(identity, namespace), validation.token_ids(tokens))
             if match is not None:
                 self.share(match.entry_id)
             return match
@@ -338,13 +345,14 @@ class Pool(Compacting):
         return not record.pins and not record.views and not record.extending
 
     def _reserve(self, identity: str, tokens: np.ndarray, layout: Layout, data_length: int, capacity: int,
-                 tag: str, recompute_cost: float | None) -> Writer | None:
+                 tag: str, recompute_cost: float | None, namespace: str) -> Writer | None:
         # Everything that can be refused is refused here, before any room is made.
         identity = validation.text_field("identity", identity, allow_empty=False)
         tag = validation.text_field("tag", tag, allow_empty=True)
+        namespace = validation.text_field("namespace", namespace, allow_empty=True)
         header = EntryHeader(FORMAT_VERSION, EntryState.WRITING, 0, identity, len(tokens), capacity, tag=tag,
                              recompute_cost=validation.recompute_cost(recompute_cost, len(tokens)),
-                             created_at=time.time())
+                             created_at=time.time(), namespace=namespace)
         layout_bytes = layouts.encode_layout(layout)
         _, meta_length = meta_layout(len(layout_bytes), capacity)
         stored = align_up(data_length) + align_up(meta_length) + ENTRY_SLOT_BYTES
@@ -363,7 +371,7 @@ class Pool(Compacting):
                                              data_offset=self._store.header.arena_size,
                                              meta_offset=self._store.header.arena_size)
             if not fits_entry_slot(header):
-                raise LayoutError("the entry header would not fit its slot; shorten the identity or tag")
+                raise LayoutError("the entry header would not fit its slot; shorten the identity, tag or namespace")
             placed = self._make_room(stored, data_length, meta_length)
             if placed is None:
                 self._counters.refused += 1
@@ -454,7 +462,7 @@ class Pool(Compacting):
                 self._counters.puts += 1
             record.last_used = next(self._clock)
             self._counters.bytes_written += written
-            self._prefix.add(record.id, new.identity, self._store.tokens(new))
+            self._prefix.add(record.id, prefix_space(new.identity, new.namespace), self._store.tokens(new))
             return record.info()
 
     def _abort(self, record: EntryRecord) -> None:
@@ -497,5 +505,6 @@ class Pool(Compacting):
             self._entries[record.id] = record
             self._bytes_used += record.stored_bytes
             self._next_serial = max(self._next_serial, record.id + 1)
-            self._prefix.add(record.id, record.header.identity, self._store.tokens(record.header))
+            self._prefix.add(record.id, prefix_space(record.header.identity, record.header.namespace),
+                             self._store.tokens(record.header))
         self._report = scan.report

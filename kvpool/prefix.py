@@ -1,14 +1,16 @@
 """The prefix index: which ready entry shares the longest token prefix with a request.
 
 Token sequences are cut into blocks of BLOCK tokens; each full block gets a chained hash (the
-hash of the previous block's hash and this block's tokens), namespaced by engine identity. An
+hash of the previous block's hash and this block's tokens), seeded by the entry's *space*: its
+engine identity and its namespace (`prefix_space`), so that an entry is only ever found by a
+request of the same model, settings and namespace (a tenant, and a salt the request may add). An
 entry is listed under every block hash of its tokens, so the deepest hash a request shares with
 it bounds the match. A hash is only a hint: every candidate's stored tokens are compared with the
 request, and the match length is the exact common prefix. A hash collision can therefore cost a
 comparison, never return a wrong entry.
 
 Matches shorter than one block are found through the request's first token: every entry is also
-listed under (identity, its first token).
+listed under (space, its first token).
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ class PrefixMatch(msgspec.Struct, frozen=True):
     tokens: int
 
 
-def block_hashes(identity: str, tokens: np.ndarray, block: int = BLOCK) -> list[int]:
-    """Chained xxh3-64 of each full block of `tokens` (int32), seeded by the identity."""
+def prefix_space(identity: str, namespace: str) -> str:
+    """The space an entry of `identity` in `namespace` is listed in: the identity's length heads
+    it, so two different pairs never make the same space, whatever characters they hold."""
+    return f"{len(identity)}:{identity}{namespace}"
+
+
+def block_hashes(space: str, tokens: np.ndarray, block: int = BLOCK) -> list[int]:
+    """Chained xxh3-64 of each full block of `tokens` (int32), seeded by the space."""
     tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-    previous = xxhash.xxh3_64_intdigest(identity.encode())
+    previous = xxhash.xxh3_64_intdigest(space.encode())
     hashes = []
     for start in range(0, len(tokens) - block + 1, block):
         hasher = xxhash.xxh3_64(previous.to_bytes(8, "little"))
@@ -54,7 +62,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixIndex:
-    """Maps (identity, block-hash chain) to entries; answers longest-prefix queries exactly.
+    """Maps (space, block-hash chain) to entries; answers longest-prefix queries exactly.
 
     `tokens_of(entry_id)` returns an entry's stored live tokens; the index keeps only hashes.
     `hasher` computes the block hashes (tests force collisions through it).
@@ -71,42 +79,42 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, entry_id: int, identity: str, tokens: np.ndarray) -> None:
-        """List `entry_id` (holding `tokens` under `identity`)."""
+    def add(self, entry_id: int, space: str, tokens: np.ndarray) -> None:
+        """List `entry_id` (holding `tokens` in `space`)."""
         self.remove(entry_id)
-        hashes = self._hasher(identity, tokens)
+        hashes = self._hasher(space, tokens)
         first = int(tokens[0]) if len(tokens) else None
-        self._keys[entry_id] = (identity, first, hashes)
+        self._keys[entry_id] = (space, first, hashes)
         if first is not None:
-            self._by_first[(identity, first)].add(entry_id)
+            self._by_first[(space, first)].add(entry_id)
         for value in hashes:
-            self._by_hash[(identity, value)].add(entry_id)
+            self._by_hash[(space, value)].add(entry_id)
 
     def remove(self, entry_id: int) -> None:
         """Forget `entry_id` (no-op if it is not listed)."""
         key = self._keys.pop(entry_id, None)
         if key is None:
             return
-        identity, first, hashes = key
+        space, first, hashes = key
         if first is not None:
-            holders = self._by_first[(identity, first)]
+            holders = self._by_first[(space, first)]
             holders.discard(entry_id)
             if not holders:
-                del self._by_first[(identity, first)]
+                del self._by_first[(space, first)]
         for value in hashes:
-            holders = self._by_hash.get((identity, value))
+            holders = self._by_hash.get((space, value))
             if holders is not None:
                 holders.discard(entry_id)
                 if not holders:
-                    del self._by_hash[(identity, value)]
+                    del self._by_hash[(space, value)]
 
-    def longest(self, identity: str, tokens: np.ndarray, usable: Callable[[int], bool] = lambda entry_id: True,
+    def longest(self, space: str, tokens: np.ndarray, usable: Callable[[int], bool] = lambda entry_id: True,
                 serves: Callable[[int, int], bool] | None = None) -> PrefixMatch | None:
-        """The usable entry sharing the longest exact token prefix with `tokens`, or None.
+        """The usable entry of `space` sharing the longest exact token prefix with `tokens`, or None.
         `serves(entry_tokens, matched)` says whether an entry of that many tokens can serve a
         match that long (a state that cannot be cut back serves only its whole length)."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        hashes = self._hasher(identity, tokens)
+        hashes = self._hasher(space, tokens)
         best: PrefixMatch | None = None
         seen: set[int] = set()
         for depth in range(len(hashes), -1, -1):
@@ -114,9 +122,9 @@ class PrefixIndex:
             if best is not None and best.tokens >= (depth + 1) * BLOCK:
                 break
             if depth:
-                holders = self._by_hash.get((identity, hashes[depth - 1]), ())
+                holders = self._by_hash.get((space, hashes[depth - 1]), ())
             else:  # shorter than a block: the newest entries starting with the same token
-                holders = sorted(self._by_first.get((identity, int(tokens[0])), ()) if len(tokens) else (),
+                holders = sorted(self._by_first.get((space, int(tokens[0])), ()) if len(tokens) else (),
                                  reverse=True)[:SHORT_CANDIDATES]
             for entry_id in sorted(set(holders) - seen):
                 seen.add(entry_id)

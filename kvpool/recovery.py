@@ -22,7 +22,7 @@ from kvpool import checksum
 from kvpool.allocator import ALIGN, align_up
 from kvpool.entry import TOKEN_DTYPE, meta_layout
 from kvpool.errors import LayoutError
-from kvpool.header import FORMAT_VERSION, MAX_TEXT, EntryHeader, EntryState, decode_entry_header, read_slot
+from kvpool.header import MAX_TEXT, READABLE_VERSIONS, EntryHeader, EntryState, decode_entry_header, read_slot
 from kvpool.layout import Layout, decode_layout, validate
 
 MAX_REASONS = 20
@@ -62,10 +62,11 @@ def _check_extent(name: str, offset: int, length: int, arena_size: int) -> None:
 
 def check_entry(header: EntryHeader, arena: np.ndarray) -> Layout:
     """The entry's layout if every part of `header` can be trusted; LayoutError otherwise."""
-    if header.version != FORMAT_VERSION:
-        raise LayoutError(f"entry header of format version {header.version}, expected {FORMAT_VERSION}")
-    if not 0 < len(header.identity.encode()) <= MAX_TEXT or len(header.tag.encode()) > MAX_TEXT or header.serial <= 0:
-        raise LayoutError("identity, tag or serial out of range")
+    if header.version not in READABLE_VERSIONS:
+        raise LayoutError(f"entry header of format version {header.version}, expected one of {READABLE_VERSIONS}")
+    if (not 0 < len(header.identity.encode()) <= MAX_TEXT or len(header.tag.encode()) > MAX_TEXT
+            or len(header.namespace.encode()) > MAX_TEXT or header.serial <= 0):
+        raise LayoutError("identity, tag, namespace or serial out of range")
     if not 0 <= header.live <= header.capacity:
         raise LayoutError(f"live {header.live} outside 0..capacity {header.capacity}")
     _check_extent("data", header.data_offset, header.data_length, arena.nbytes)

@@ -21,8 +21,8 @@ from kvpool import checksum, compaction, layout as layouts
 from kvpool.allocator import ALIGN, Allocator, align_up
 from kvpool.entry import TOKEN_DTYPE, EntryRecord, meta_layout
 from kvpool.errors import DataCorrupt, PoolBusy, PoolCorrupt, PoolError, PoolFormatError
-from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, EntryHeader, EntryState, PoolHeader,
-                           SlotWriter, decode_pool_header, payload_version, read_slot)
+from kvpool.header import (ENTRY_SLOT_BYTES, FORMAT_VERSION, POOL_HEADER_HALF, READABLE_VERSIONS, EntryHeader,
+                           EntryState, PoolHeader, SlotWriter, decode_pool_header, payload_version, read_slot)
 from kvpool.layout import ArrayLayout
 from kvpool.recovery import SlotScan, scan_slots
 from kvpool.segment import PAGE, Segment
@@ -303,9 +303,9 @@ def parse_pool_header(region: np.ndarray, segment_size: int, name: str) -> tuple
                           f"recovered, {remove}")
     generation, payload = found
     version = payload_version(payload)
-    if version != FORMAT_VERSION:
-        raise PoolFormatError(f"pool {name!r} has format version {version}; this kvpool reads version "
-                              f"{FORMAT_VERSION}. Use the release that wrote it, or {remove}")
+    if version not in READABLE_VERSIONS:
+        raise PoolFormatError(f"pool {name!r} has format version {version}; this kvpool reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}. Use the release that wrote it, or {remove}")
     header = decode_pool_header(payload)
     if header is None:
         raise PoolCorrupt(f"pool {name!r}: the pool header does not decode; {remove}")

@@ -244,6 +244,33 @@ def test_acquire_prefix_shares_atomically(make_pool):
     assert pool.acquire_prefix("other-model", range(20)) is None
 
 
+def test_a_namespace_is_found_only_by_its_own_lookups_and_survives_attach(make_pool):
+    # a tenant's prompt cache: another tenant sending the same tokens finds nothing
+    pool = make_pool(1 << 20)
+    theirs = pool.put("m", range(40), heads_kv(40), namespace="alice")
+    pool.put("m", range(40), heads_kv(40, seed=1))  # the same tokens in the empty namespace
+    assert pool.lookup("m", range(40), namespace="alice").entry_id == theirs.id
+    assert pool.lookup("m", range(40), namespace="bob") is None
+    assert pool.lookup("m", range(40)).entry_id != theirs.id
+    assert pool.acquire_prefix("m", range(8), namespace="bob") is None
+    assert pool.info(theirs.id).namespace == "alice"
+    name = pool.name
+    pool.close()
+    again = Pool.attach(name)
+    try:
+        assert again.lookup("m", range(40), namespace="alice").entry_id == theirs.id
+        assert again.lookup("m", range(40), namespace="bob") is None
+    finally:
+        again.close()
+
+
+def test_a_namespace_too_long_for_the_header_is_refused_before_anything_is_written(make_pool):
+    pool = make_pool(1 << 20)
+    with pytest.raises(LayoutError, match="namespace must be a string of 0-96 UTF-8 bytes"):
+        pool.put("m", range(4), heads_kv(4), namespace="x" * 97)
+    assert pool.stats().entries == 0
+
+
 def test_find_by_tag_and_reattach(make_pool):
     pool = make_pool(1 << 20)
     info = pool.put("m", range(5), heads_kv(5), tag="session:abc")

@@ -3,13 +3,14 @@ import stat
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import posix_ipc
 import pytest
 
-from kvpool import (Budget, Pool, PoolBusy, PoolCorrupt, PoolExists, PoolFormatError, PoolNotFound,
+from kvpool import (Budget, KVArray, Pool, PoolBusy, PoolCorrupt, PoolExists, PoolFormatError, PoolNotFound,
                     ReservationError, segment)
-from kvpool.header import POOL_HEADER_HALF, PoolHeader, SlotWriter
+from kvpool.header import POOL_HEADER_HALF, EntryHeader, PoolHeader, SlotWriter
 from tests.conftest import remove_segment
 
 
@@ -91,8 +92,32 @@ def test_another_format_version_is_refused(make_pool):
     pool.close()
     _write_pool_header(name, PoolHeader(**{**{f: getattr(header, f) for f in header.__struct_fields__},
                                            "version": 99}))
-    with pytest.raises(PoolFormatError, match="format version 99; this kvpool reads version 1"):
+    with pytest.raises(PoolFormatError, match="format version 99; this kvpool reads versions 1, 2"):
         Pool.attach(name)
+
+
+def test_a_version_1_pool_is_read_its_entries_in_the_empty_namespace_and_it_becomes_version_2(make_pool):
+    # what a release before namespaces left in /dev/shm: headers without the namespace field
+    pool = make_pool(1 << 20)
+    info = pool.put("m", range(20), [KVArray("0.k", np.ones((2, 20, 8), np.float32), 1)])
+    name, header = pool.name, pool.header
+    record = pool._entries[info.id]
+    fields = [(f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
+              for f in msgspec.structs.fields(EntryHeader) if f.name != "namespace"]
+    version_1 = msgspec.defstruct("EntryHeaderV1", fields, array_like=True)
+    old = version_1(**{**{f: getattr(record.header, f) for f in version_1.__struct_fields__}, "version": 1})
+    pool._store.write_header(record.slot, old)  # (any struct: it is framed as it encodes)
+    pool.close()
+    _write_pool_header(name, PoolHeader(**{**{f: getattr(header, f) for f in header.__struct_fields__},
+                                           "version": 1}))
+    again = Pool.attach(name)
+    try:
+        assert again.recovery.entries == 1
+        assert again.info(info.id).namespace == ""
+        assert again.lookup("m", range(20)).entry_id == info.id
+        assert again.header.version == 2  # a release that reads only version 1 now refuses it whole
+    finally:
+        again.close()
 
 
 def test_another_users_segment_is_refused(pool_name):
