@@ -18,6 +18,7 @@ from superfluid.host.engine_thread import EngineThread
 from superfluid.host.session import Generation, SessionInfo
 from superfluid.host.stats import HostStats
 from superfluid.host.stream import TextStream
+from superfluid.host.tenants import UNNAMED, check_tenant, salt_digest
 
 
 class Commands:
@@ -29,8 +30,10 @@ class Commands:
         self.sessions, self.kv, self.counters = scheduler.sessions, scheduler.kv, scheduler.counters
         self.engine, self.descriptor = scheduler.engine, scheduler.descriptor
 
-    def _live(self, session_id: str, *, idle: bool = False) -> Live:
-        live = self.sessions.get(session_id)
+    def _live(self, session_id: str, tenant: str | None, *, idle: bool = False) -> Live:
+        """The session `session_id` of `tenant` (None: of any tenant, the embedding application's
+        view); `idle`: SessionBusy while it generates, and what it owes settled first."""
+        live = self.sessions.get(session_id, tenant)
         if idle:
             self._idle(live)
             # what a record the disk refused left undone (a cut, a reply's closing), first
@@ -55,10 +58,13 @@ class Commands:
         """Sessions from the replayed log, with the KV they had parked where the pool still holds it."""
         self.sessions.recover(self.kv.pool)
 
-    def create(self, session_id: str | None, system: str | None, settings: Sampling, priority: str) -> str:
-        """A new session; its id (TooManySessions at the cap)."""
+    def create(self, session_id: str | None, system: str | None, settings: Sampling, priority: str, *,
+               tenant: str = UNNAMED, cache_salt: str | None = None) -> str:
+        """A new session of `tenant` whose prompts share cached KV only with sessions of the same
+        tenant and `cache_salt` (tenants.py); its id (TooManySessions at the cap)."""
+        salt = salt_digest(cache_salt)
         self._check_session_cap()
-        live = self.sessions.open(session_id, settings, priority)
+        live = self.sessions.open(session_id, settings, priority, check_tenant(tenant), salt)
         if system is not None:
             self.sessions.append_messages(live, [("system", system)])
         return live.state.id
@@ -82,34 +88,34 @@ class Commands:
 
     # ----------------------------------------------------------------------------- appending
 
-    def append_messages(self, session_id: str, messages: list[tuple[str, str]]) -> None:
+    def append_messages(self, session_id: str, messages: list[tuple[str, str]], *, tenant: str | None = None) -> None:
         """Chat messages (role, content) in turn, rendered here; a long list at once
         (Host.append_messages renders them on the caller's thread instead)."""
-        self.sessions.append_messages(self._live(session_id, idle=True), messages)
+        self.sessions.append_messages(self._live(session_id, tenant, idle=True), messages)
 
-    def chat_view(self, session_id: str) -> tuple[int, tuple[dict, ...]]:
+    def chat_view(self, session_id: str, *, tenant: str | None = None) -> tuple[int, tuple[dict, ...]]:
         """(version, messages) of an idle session, to render appended messages against."""
-        return self.sessions.chat_view(self._live(session_id, idle=True))
+        return self.sessions.chat_view(self._live(session_id, tenant, idle=True))
 
     def append_rendered(self, session_id: str, version: int, messages: list[tuple[str, str]],
-                        pieces: list[list[int]]) -> bool:
+                        pieces: list[list[int]], *, tenant: str | None = None) -> bool:
         """Messages rendered by the caller against `chat_view`'s version; False if the session
         changed since (nothing is appended: render again)."""
-        return self.sessions.append_rendered(self._live(session_id, idle=True), version, messages, pieces)
+        return self.sessions.append_rendered(self._live(session_id, tenant, idle=True), version, messages, pieces)
 
-    def append_tokens(self, session_id: str, tokens: list[int]) -> None:
+    def append_tokens(self, session_id: str, tokens: list[int], *, tenant: str | None = None) -> None:
         """Raw token ids (ValueError for ids outside the vocabulary)."""
-        self.sessions.append_tokens(self._live(session_id, idle=True), tokens)
+        self.sessions.append_tokens(self._live(session_id, tenant, idle=True), tokens)
 
-    def append_text(self, session_id: str, text: str) -> None:
+    def append_text(self, session_id: str, text: str, *, tenant: str | None = None) -> None:
         """Text tokenized as it is (after a BOS at the start, where the model asks for one)."""
-        self.sessions.append_text(self._live(session_id, idle=True), text)
+        self.sessions.append_text(self._live(session_id, tenant, idle=True), text)
 
     # ----------------------------------------------------------------------------- generating
 
-    def generate(self, session_id: str, request: GenerateRequest) -> Generation:
+    def generate(self, session_id: str, request: GenerateRequest, *, tenant: str | None = None) -> Generation:
         """Queue a generation of the session as `request` asks (Overloaded when the wait queue is full)."""
-        return self._start(self._live(session_id, idle=True), request)
+        return self._start(self._live(session_id, tenant, idle=True), request)
 
     def _start(self, live: Live, request: GenerateRequest, opening: list[int] | None = None) -> Generation:
         """Queue `live`'s generation; `opening`: the assistant's opening, where it was tokenized
@@ -138,12 +144,14 @@ class Commands:
         self.scheduler.enqueue(live, job)
         return generation
 
-    def start_request(self, prompt: PreparedPrompt, request: GenerateRequest) -> tuple[str, Generation]:
-        """A one-shot request (an OpenAI chat or text completion) on a request lane of its own:
-        never logged, never listed, forked or deleted by anyone; its prompt built on the caller's
-        side (Host.prepare). (The lane's id for `end_request`, the generation.) On any refusal
-        (Overloaded, ContextFull) the lane is gone again."""
-        live = self.sessions.open_request()
+    def start_request(self, prompt: PreparedPrompt, request: GenerateRequest, *, tenant: str = UNNAMED,
+                      cache_salt: str | None = None) -> tuple[str, Generation]:
+        """A one-shot request (an OpenAI chat or text completion) of `tenant` on a request lane of
+        its own: never logged, never listed, forked or deleted by anyone; its prompt built on the
+        caller's side (Host.prepare); starting from cached KV of its tenant and `cache_salt` only.
+        (The lane's id for `end_request`, the generation.) On any refusal (Overloaded,
+        ContextFull) the lane is gone again."""
+        live = self.sessions.open_request(check_tenant(tenant), salt_digest(cache_salt))
         try:
             self.sessions.fill_request(live, prompt)
             return live.state.id, self._start(live, request, prompt.opening)
@@ -169,18 +177,18 @@ class Commands:
 
     # ----------------------------------------------------------------------------- shaping
 
-    def fork(self, session_id: str, child_id: str | None = None) -> str:
+    def fork(self, session_id: str, child_id: str | None = None, *, tenant: str | None = None) -> str:
         """A child session (`child_id`, or a fresh id) with the parent's tokens and messages,
         sharing its KV; its id."""
-        parent = self._live(session_id)
+        parent = self._live(session_id, tenant)
         self._check_session_cap()
         child = self.sessions.fork(parent, child_id)
         self.kv.fork(parent, child)
         return child.state.id
 
-    def trim(self, session_id: str, n_tokens: int) -> None:
+    def trim(self, session_id: str, n_tokens: int, *, tenant: str | None = None) -> None:
         """Keep the session's first `n_tokens` tokens."""
-        live = self._live(session_id, idle=True)
+        live = self._live(session_id, tenant, idle=True)
         if not isinstance(n_tokens, int) or not 0 <= n_tokens <= len(live.state.tokens):
             raise ValueError(f"trim({n_tokens!r}): session {session_id!r} holds {len(live.state.tokens)} tokens")
         self.sessions.trim(live, n_tokens)
@@ -191,43 +199,44 @@ class Commands:
             raise TooManySessions(f"the host holds {cap} sessions, its max_sessions (serve's --max-sessions); delete "
                                   "sessions you no longer need, or raise the cap")
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, *, tenant: str | None = None) -> None:
         """Remove the session (cancelling its generation); its parked KV becomes evictable."""
-        live = self._live(session_id)
+        live = self._live(session_id, tenant)
         if live.job is not None:
             self.scheduler.finish(live, "cancelled")
         self.kv.drop(live)
         self.sessions.remove(live)
 
-    def retire(self, session_id: str) -> None:
+    def retire(self, session_id: str, *, tenant: str | None = None) -> None:
         """Park the session's KV (cached for later requests with its prefix), then delete it."""
-        self._retire(self._live(session_id))
+        self._retire(self._live(session_id, tenant))
 
-    def pin(self, session_id: str) -> int:
+    def pin(self, session_id: str, *, tenant: str | None = None) -> int:
         """Pin the session's parked KV (see Session.pin); the bytes pinned."""
-        return self.kv.pin(self._live(session_id))
+        return self.kv.pin(self._live(session_id, tenant))
 
-    def unpin(self, session_id: str) -> None:
+    def unpin(self, session_id: str, *, tenant: str | None = None) -> None:
         """Let the session's parked KV be evicted again."""
-        self.kv.unpin(self._live(session_id))
+        self.kv.unpin(self._live(session_id, tenant))
 
     # ----------------------------------------------------------------------------- reading
 
-    def tokens(self, session_id: str) -> list[int]:
+    def tokens(self, session_id: str, *, tenant: str | None = None) -> list[int]:
         """The session's committed tokens."""
-        return list(self._live(session_id).state.tokens)
+        return list(self._live(session_id, tenant).state.tokens)
 
-    def messages(self, session_id: str) -> list[dict]:
+    def messages(self, session_id: str, *, tenant: str | None = None) -> list[dict]:
         """The session's chat messages."""
-        return [dict(m) for m in self._live(session_id).state.messages]
+        return [dict(m) for m in self._live(session_id, tenant).state.messages]
 
-    def info(self, session_id: str) -> SessionInfo:
+    def info(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
         """The session's summary."""
-        return self.sessions.info(self._live(session_id))
+        return self.sessions.info(self._live(session_id, tenant))
 
-    def list(self) -> list[SessionInfo]:
-        """Every session's summary (request lanes are nobody's to list)."""
-        return [self.sessions.info(live) for live in self.sessions.durable.values()]
+    def list(self, *, tenant: str | None = None) -> list[SessionInfo]:
+        """Every session's summary, or `tenant`'s sessions' only (request lanes are nobody's to list)."""
+        return [self.sessions.info(live) for live in self.sessions.durable.values()
+                if tenant is None or live.state.tenant == tenant]
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of `tokens`."""

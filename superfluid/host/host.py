@@ -15,6 +15,7 @@ session where it was committed, and the KV it had parked still in the shared seg
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from superfluid.host.request import Priority, Prompt
 from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
+from superfluid.host.tenants import UNNAMED
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
@@ -133,19 +135,22 @@ class Host:
 
     # ----------------------------------------------------------------------------- public
 
-    def call(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> T:
-        """Run one of `self.commands` (or any callable that must touch the engine) on the
-        scheduler thread, and return its result or raise its error. Safe from any thread.
-        `arrival`: the command starts a request of this class and prompt length, which may stop
-        the step in flight if it would go first (superfluid/host/interruption.py)."""
-        return self._thread.call(command, *args, arrival=arrival)
+    def call(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None, **keywords: Any) -> T:
+        """Run one of `self.commands` (or any callable that must touch the engine) with `args` and
+        `keywords` on the scheduler thread, and return its result or raise its error. Safe from
+        any thread. `arrival`: the command starts a request of this class and prompt length,
+        which may stop the step in flight if it would go first (superfluid/host/interruption.py)."""
+        return self._thread.call(functools.partial(command, **keywords) if keywords else command, *args,
+                                 arrival=arrival)
 
-    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None) -> concurrent.futures.Future:
+    def submit(self, command: Callable[..., T], *args: Any, arrival: Arrival | None = None,
+               **keywords: Any) -> concurrent.futures.Future:
         """`call` without waiting: queue the command on the scheduler thread and return its
         future (`asyncio.wrap_future` awaits it in an event loop). HostClosed if the host is
         closed; a future the scheduler never answers (it failed as the command came in) is
         found by `alive()`."""
-        return self._thread.submit(command, *args, arrival=arrival)
+        return self._thread.submit(functools.partial(command, **keywords) if keywords else command, *args,
+                                   arrival=arrival)
 
     def alive(self) -> bool:
         """True while the scheduler thread runs (False once closed or failed)."""
@@ -161,26 +166,28 @@ class Host:
             return self.prompts.build(prompt)
         return self.call(self.prompts.build, prompt)
 
-    def append_messages(self, session_id: str, messages: Sequence[tuple[str, str]]) -> None:
+    def append_messages(self, session_id: str, messages: Sequence[tuple[str, str]], *,
+                        tenant: str | None = None) -> None:
         """Chat messages (role, content) appended to an idle session in turn, rendered and
         tokenized on the calling thread, so a long conversation or a long message costs its
         caller, not the scheduler thread: the session's messages are read, the new ones rendered
         against them, and the tokens committed only if the session did not change meanwhile
         (else rendered again). A template that rewrites earlier turns, or an adapter without a
-        tokenizer for any thread, renders them on the scheduler thread instead."""
+        tokenizer for any thread, renders them on the scheduler thread instead. `tenant`: the
+        session must be that tenant's (see `session`)."""
         messages = list(messages)
         self._check_messages(len(messages))
         if self._tokenizes_anywhere:
             added = [{"role": role, "content": content} for role, content in messages]
             for _ in range(OPTIMISTIC_TRIES):
-                version, before = self.call(self.commands.chat_view, session_id)
+                version, before = self.call(self.commands.chat_view, session_id, tenant=tenant)
                 try:
                     pieces = appended_pieces(self.prompts.template, self.prompts.tokenize, before, added)
                 except TemplateRewrites:
                     break
-                if self.call(self.commands.append_rendered, session_id, version, messages, pieces):
+                if self.call(self.commands.append_rendered, session_id, version, messages, pieces, tenant=tenant):
                     return
-        self.call(self.commands.append_messages, session_id, messages)
+        self.call(self.commands.append_messages, session_id, messages, tenant=tenant)
 
     def _check_messages(self, count: int) -> None:
         if self.max_messages is not None and count > self.max_messages:
@@ -188,28 +195,38 @@ class Host:
                                   "(max_messages, serve's --max-messages): send fewer, or raise the cap")
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
-                **sampling: Any) -> Session:
+                tenant: str | None = None, cache_salt: str | None = None, **sampling: Any) -> Session:
         """A new session (sampling defaults: temperature, top_k, top_p, min_p, repetition_penalty,
-        seed), or with `id` alone the existing one of that id (also after a restart)."""
-        if id is not None and system is None and not sampling:
-            self.call(self.commands.info, id)  # SessionNotFound if there is none
-            return Session(self, id)
+        seed), or with `id` alone the existing one of that id (also after a restart).
+
+        `tenant` (an application serving several users or customers): the session is that
+        tenant's, and the Session acts as it: to another tenant the session does not exist, and
+        its prompts share cached KV only with its own tenant's sessions (with `cache_salt`, only
+        with sessions made with the same salt; superfluid/host/tenants.py). None: a new session
+        is the unnamed tenant's, and an existing one is found whoever owns it."""
+        if id is not None and system is None and not sampling and cache_salt is None:
+            self.call(self.commands.info, id, tenant=tenant)  # SessionNotFound if there is none (of the tenant)
+            return Session(self, id, tenant)
         priority = str(Priority.named(priority))  # ValueError naming the classes
         settings = sampler.Sampling(**sampling)
-        return Session(self, self.call(self.commands.create, id, system, settings, priority))
+        created = self.call(self.commands.create, id, system, settings, priority,
+                            tenant=UNNAMED if tenant is None else tenant, cache_salt=cache_salt)
+        return Session(self, created, tenant)
 
-    def sessions(self) -> list[SessionInfo]:
-        """Every session the log holds."""
-        return self.call(self.commands.list)
+    def sessions(self, *, tenant: str | None = None) -> list[SessionInfo]:
+        """Every session the log holds, or `tenant`'s only."""
+        return self.call(self.commands.list, tenant=tenant)
 
-    def delete(self, session_id: str) -> None:
-        """Remove a session (cancelling its generation); its parked KV becomes evictable."""
-        self.call(self.commands.delete, session_id)
+    def delete(self, session_id: str, *, tenant: str | None = None) -> None:
+        """Remove a session (cancelling its generation); its parked KV becomes evictable.
+        `tenant`: the session must be that tenant's."""
+        self.call(self.commands.delete, session_id, tenant=tenant)
 
-    def retire(self, session_id: str) -> None:
+    def retire(self, session_id: str, *, tenant: str | None = None) -> None:
         """Park a session's KV in the pool (cached for any later request with the same prefix),
-        then delete the session: what a server does with a request's session when it is done."""
-        self.call(self.commands.retire, session_id)
+        then delete the session: what a server does with a request's session when it is done.
+        `tenant`: the session must be that tenant's."""
+        self.call(self.commands.retire, session_id, tenant=tenant)
 
     def stats(self) -> HostStats:
         """Counters for tests and benchmarks, as they are now (read on the scheduler thread, so

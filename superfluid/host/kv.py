@@ -35,6 +35,7 @@ from superfluid.host.errors import PinLimit, SuperfluidError
 from superfluid.host.lane import Live, Span
 from superfluid.host.request import SHORT_FACTOR, Priority
 from superfluid.host.stats import Counters
+from superfluid.host.tenants import TenantLoad
 
 if TYPE_CHECKING:
     from superfluid.host.sessions import Sessions
@@ -66,7 +67,7 @@ class KVManager:
 
     def __init__(self, engine: Any, pool: Pool, sessions: Sessions, counters: Counters, *, decode_reserve: int,
                  idle_park_seconds: float | None, watermarks: tuple[float, float], max_pinned_fraction: float,
-                 order: Callable[[], int]) -> None:
+                 order: Callable[[], int], tenants: TenantLoad) -> None:
         self.engine, self.pool, self.sessions, self.counters = engine, pool, sessions, counters
         self.descriptor = engine.describe()
         self.cells_total = self.descriptor.kv_cells or self.descriptor.context_length
@@ -77,6 +78,7 @@ class KVManager:
         self.high_watermark, self.low_watermark = watermarks
         self.max_pinned_fraction = max_pinned_fraction
         self.order = order
+        self.tenants = tenants  # who is active, for each tenant's share of the sequences (the scheduler keeps it)
         # admission order (set by the scheduler, which owns it): who may swap whom out
         self.urgency: Callable[[Live, int], tuple] = lambda live, uncached: (live.job.priority, uncached)
         self.lanes: list[Live] = []  # sessions holding an engine sequence
@@ -114,14 +116,16 @@ class KVManager:
         tokens = live.state.tokens
         want = len(tokens) - 1
         lane, held = None, 0
+        namespace = live.state.namespace  # (only KV of its own namespace: tenants.py)
         for other in self.lanes:
-            if other is not live:
+            if other is not live and other.state.namespace == namespace:
                 common = common_prefix(other.state.tokens[:other.kv], tokens, want)
                 # a memory that cannot be cut back is forked only where it ends at the prefix
                 if common > held and self.memory.can_cut_restored(other.kv, common):
                     lane, held = other, common
         serves = None if self.memory.kind == "kv" else self.memory.can_cut_restored
-        match = self.pool.lookup(self.descriptor.identity, tokens[:want], serves) if want > 0 else None
+        match = (self.pool.lookup(self.descriptor.identity, tokens[:want], serves, namespace=namespace)
+                 if want > 0 else None)
         return Source(lane, held, match)
 
     def cells_needed(self, live: Live, source: Source) -> int:
@@ -135,8 +139,13 @@ class KVManager:
         need be. False when it must wait (the cells or sequences are taken by what matters as
         much). EngineError when the engine refuses it (the lane is freed again)."""
         uncached = len(live.state.tokens) - max(source.lane_tokens, source.pool_tokens)
-        if not self._make_room(live, self.cells_needed(live, source), source.lane if source.forks else None, uncached):
-            return False
+        keep = source.lane if source.forks else None
+        if not self._make_room(live, self.cells_needed(live, source), keep, uncached):
+            # The idle lane it would fork may be what stands in the way (it holds the engine's
+            # last free sequence): park it too, and start from its parked KV instead.
+            if keep is None or keep.job is not None or not self._make_room(
+                    live, self.cells_needed(live, Source(None, 0, source.match)), None, uncached):
+                return False
         if source.lane is not None and source.lane.seq is None:
             source = self.source(live)  # the lane it would fork was parked to make room
         try:
@@ -176,9 +185,11 @@ class KVManager:
         """The lanes waiting `live` (with `uncached` prompt tokens to feed) may swap out, least
         urgent first: for an interactive arrival those of a less urgent class; for any arrival
         those of its class or a less urgent one still being prefilled with at least SHORT_FACTOR
-        times its uncached prompt left."""
+        times its uncached prompt left; and for an arrival of a tenant below its equal share of the
+        sequences, those of its class or a less urgent one of a tenant above its own (tenants.py)."""
         job = live.job
         mine = self.urgency(live, uncached)
+        held = self.tenants.lanes_held(self.lanes) if self.tenants.contended else None
         victims = {}
         for other in self.lanes:
             theirs = other.job
@@ -188,6 +199,9 @@ class KVManager:
                 victims[other] = self.unimportance(other)
             elif (theirs.priority >= job.priority and not theirs.produced and other.pending > 1
                   and other.pending >= SHORT_FACTOR * max(uncached, 1) and self.urgency(other, other.pending) > mine):
+                victims[other] = self.unimportance(other)
+            elif (held is not None and theirs.priority >= job.priority
+                  and self.tenants.owes(live.state.tenant, other.state.tenant, held, self.max_sequences)):
                 victims[other] = self.unimportance(other)
         return sorted(victims, key=victims.__getitem__, reverse=True)
 
@@ -325,7 +339,8 @@ class KVManager:
             try:
                 # a request lane's id means nothing after it ends: its entry is tagged as a request's
                 tag = f"session:{live.state.id}" if live.durable else "request"
-                info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv], tag=tag)
+                info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv], tag=tag,
+                                       namespace=live.state.namespace)
             except (PoolError, EngineError):
                 self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
                 info = None

@@ -14,6 +14,7 @@ from typing import Union
 
 import msgspec
 
+from superfluid.host import tenants
 from superfluid.host.errors import LogCorrupt
 from superfluid.host.sampling import Sampling
 
@@ -23,13 +24,16 @@ TOKENS_PER_RECORD = 1 << 20
 
 
 class Opened(msgspec.Struct, tag="open"):
-    """A session was created (a fork names its parent)."""
+    """A session was created (a fork names its parent) by `tenant` ("" the unnamed one: every
+    session of a log written before tenants), whose `cache_salt` has digest `salt` (tenants.py)."""
 
     session: str
     created: float
     sampling: Sampling
     priority: str
     parent: str | None = None
+    tenant: str = ""
+    salt: str = ""
 
 
 class Tokens(msgspec.Struct, tag="tokens"):
@@ -89,10 +93,18 @@ class SessionState:
     messages: list[dict] = field(default_factory=list)
     message_ends: list[int] = field(default_factory=list)  # token position where each message ends
     parked: tuple[int, int] | None = None  # (pool entry, tokens it covers)
+    tenant: str = ""  # its owner (tenants.py)
+    salt: str = ""  # the digest of its creator's cache_salt ("" without one)
+
+    @property
+    def namespace(self) -> str:
+        """Whose cached KV it may start from, and who may start from its own (tenants.py)."""
+        return tenants.namespace(self.tenant, self.salt)
 
     def snapshot(self) -> list[Record]:
         """The records that recreate this state."""
-        records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent)]
+        records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent,
+                                        self.tenant, self.salt)]
         records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
         # a long session's tokens in several records, so none nears the size a reader accepts
         for start in range(0, len(self.tokens), TOKENS_PER_RECORD):
@@ -121,7 +133,7 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
     check(record, None if state is None else len(state.tokens), where)
     if isinstance(record, Opened):
         states[record.session] = SessionState(record.session, record.created, record.sampling, record.priority,
-                                              record.parent)
+                                              record.parent, tenant=record.tenant, salt=record.salt)
         return
     state = states.get(record.session)
     if state is None:

@@ -44,6 +44,7 @@ from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
 from superfluid.host.session import Generation, Piece, Wakes, wake_readers
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher
+from superfluid.host.tenants import TenantLoad, tenant_stats
 
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
@@ -85,6 +86,7 @@ class Scheduler:
         # the sessions and request lanes with a generation, in order of arrival: a tick looks at
         # these and the lanes, never at every session (most are idle)
         self.active: dict[Live, None] = {}
+        self.tenants = TenantLoad()  # the tenants of the active generations, for each one's share
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
@@ -116,7 +118,8 @@ class Scheduler:
         self.sessions = Sessions(self.log, self.engine, self.next_order, self.clock, self.context_limit)
         self.kv = KVManager(self.engine, self.pool, self.sessions, self.counters, decode_reserve=policy.decode_reserve,
                             idle_park_seconds=idle_park_seconds, watermarks=policy.watermarks,
-                            max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order)
+                            max_pinned_fraction=policy.max_pinned_fraction, order=self.next_order,
+                            tenants=self.tenants)
         self.sessions.kv = self.kv
         self.kv.urgency = self.urgency
         self.planner = Planner(policy, self.descriptor, self.kv.memory.kind == "kv", self.urgency)
@@ -177,6 +180,7 @@ class Scheduler:
             live.job.generation._finish("error", exc)
             live.job = None
         self.active.clear()
+        self.tenants.clear()
 
     # ----------------------------------------------------------------------------- statistics
 
@@ -194,7 +198,8 @@ class Scheduler:
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
                          interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
                          expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
-                         log_sync_failures=c.log_sync_failures)
+                         log_sync_failures=c.log_sync_failures,
+                         tenants=tenant_stats(self.active, kv.lanes, sessions.owned, c.rejected_by_tenant))
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics where due (`force`: now), then tell the generations that ended."""
@@ -207,12 +212,22 @@ class Scheduler:
         return sum(1 for live in self.active if not live.job.started)
 
     def check_capacity(self, live: Live) -> None:
-        """Overloaded when a new generation for `live` would wait beyond the bounded queue."""
+        """Overloaded when a new generation for `live` would wait beyond the bounded queue, unless
+        its tenant has less than its equal share of the queue (tenants.py): one tenant filling the
+        queue does not shut the others out."""
         limit = self.policy.max_waiting
-        if limit is not None and live.seq is None and self.waiting() >= limit:
-            self.counters.rejected += 1
-            raise Overloaded(f"{self.waiting()} generations are waiting for the engine already (max_waiting={limit});"
-                             " retry shortly, or raise max_waiting", retry_after=1)
+        if limit is None or live.seq is not None:
+            return
+        waiting = [other for other in self.active if not other.job.started]
+        if len(waiting) < limit:
+            return
+        tenant = live.state.tenant
+        if self.tenants.may_wait(tenant, sum(1 for other in waiting if other.state.tenant == tenant), limit):
+            return
+        self.counters.rejected += 1
+        self.counters.rejected_by_tenant[tenant] += 1
+        raise Overloaded(f"{len(waiting)} generations are waiting for the engine already (max_waiting={limit});"
+                         " retry shortly, or raise max_waiting", retry_after=1)
 
     def enqueue(self, live: Live, job: Job) -> None:
         """Give `live` the generation `job`: it starts at once on a warm lane whose new tokens and
@@ -220,6 +235,7 @@ class Scheduler:
         admitted like any other, by import)."""
         live.job = job
         self.active[live] = None
+        self.tenants.started(live.state.tenant)
         if live.seq is None:
             return
         if self.kv.cells_free() >= live.pending + self.kv.reserve_for(live):
@@ -278,6 +294,7 @@ class Scheduler:
                     "what it produced is kept in the session"))
             elif not job.started and limit is not None and now - job.queued_at > limit:
                 self.counters.rejected += 1
+                self.counters.rejected_by_tenant[live.state.tenant] += 1
                 self.finish(live, "error", Overloaded(
                     f"session {live.state.id}: the generation waited {now - job.queued_at:.1f} s for the engine "
                     f"without starting (max_wait_seconds={limit}); retry shortly, or raise max_wait_seconds"))
@@ -286,7 +303,9 @@ class Scheduler:
         waiting = [live for live in self.active if live.seq is None]
         sources = {live: self.kv.source(live) for live in waiting}
         uncached = {live: len(live.state.tokens) - max(s.lane_tokens, s.pool_tokens) for live, s in sources.items()}
-        for live in sorted(waiting, key=lambda live: self.urgency(live, uncached[live])):
+        ordered = self.tenants.fair_order(waiting, lambda live: self.urgency(live, uncached[live]), self.kv.lanes,
+                                          self.kv.max_sequences)
+        for live in ordered:
             source = sources[live]
             if self._prefilling_same_prefix(live, len(live.state.tokens) - uncached[live]):
                 continue  # another lane is prefilling this prefix: fork from it when it has
@@ -301,9 +320,9 @@ class Scheduler:
     def _prefilling_same_prefix(self, live: Live, available: int) -> bool:
         """True when a lane being prefilled will soon hold more of `live`'s prefix than is
         available now: better to wait a tick or two and fork from it than prefill it twice."""
-        tokens = live.state.tokens
+        tokens, namespace = live.state.tokens, live.state.namespace
         for other in self.kv.lanes:
-            if other is live or other.job is None or other.pending <= 1:
+            if other is live or other.job is None or other.pending <= 1 or other.state.namespace != namespace:
                 continue
             if other.job.priority > live.job.priority:  # its prefill may wait behind ours: do not wait on it
                 continue
@@ -517,6 +536,7 @@ class Scheduler:
         job = live.job
         live.job = None
         del self.active[live]
+        self.tenants.ended(live.state.tenant)
         live.idle_since = self.clock()
         if live.seq is None:
             self.kv.release_held(live)  # ended while swapped out

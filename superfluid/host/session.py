@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
 from superfluid.host.errors import HostClosed
 from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import TokenLogprobs
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from superfluid.host.host import Host
@@ -199,19 +201,25 @@ class Generation:
 
 
 class Session:
-    """A conversation or token stream kept by a Host (see Host.session)."""
+    """A conversation or token stream kept by a Host (see Host.session), acting as `tenant` (None:
+    as the application that embeds the host, which may act on any tenant's sessions)."""
 
-    def __init__(self, host: Host, session_id: str) -> None:
+    def __init__(self, host: Host, session_id: str, tenant: str | None = None) -> None:
         self._host = host
         self.id = session_id
+        self.tenant = tenant
 
     def __repr__(self) -> str:
-        return f"Session({self.id!r})"
+        return f"Session({self.id!r})" if self.tenant is None else f"Session({self.id!r}, tenant={self.tenant!r})"
+
+    def _call(self, command: Callable[..., T], *args: Any) -> T:
+        """`command` on this session, as its tenant, on the host's scheduler thread."""
+        return self._host.call(command, self.id, *args, tenant=self.tenant)
 
     def append_message(self, role: str, text: str) -> None:
         """Add a chat message of `role` (system, user or assistant), rendered by the chat template
         (on the calling thread: Host.append_messages)."""
-        self._host.append_messages(self.id, [(role, text)])
+        self._host.append_messages(self.id, [(role, text)], tenant=self.tenant)
 
     def append_user(self, text: str) -> None:
         """Add a user message, rendered by the model's chat template."""
@@ -227,11 +235,11 @@ class Session:
 
     def append_tokens(self, tokens: Sequence[int]) -> None:
         """Add raw token ids (no template)."""
-        self._host.call(self._host.commands.append_tokens, self.id, [int(t) for t in tokens])
+        self._call(self._host.commands.append_tokens, [int(t) for t in tokens])
 
     def append_text(self, text: str) -> None:
         """Add text tokenized as it is (no template)."""
-        self._host.call(self._host.commands.append_text, self.id, text)
+        self._call(self._host.commands.append_text, text)
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
@@ -248,7 +256,7 @@ class Session:
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
                                      logprobs=logprobs)
-        return self._host.call(self._host.commands.generate, self.id, request)
+        return self._call(self._host.commands.generate, request)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
@@ -258,39 +266,39 @@ class Session:
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
                                      streamed=False)
-        return self._host.call(self._host.commands.generate, self.id, request).collect()
+        return self._call(self._host.commands.generate, request).collect()
 
     def fork(self) -> Session:
         """A new session with this one's tokens and messages, sharing its KV (no KV bytes copied)."""
-        return Session(self._host, self._host.call(self._host.commands.fork, self.id))
+        return Session(self._host, self._call(self._host.commands.fork), self.tenant)
 
     def trim(self, n_tokens: int) -> None:
         """Keep the first `n_tokens` tokens (and the chat messages that end within them)."""
-        self._host.call(self._host.commands.trim, self.id, n_tokens)
+        self._call(self._host.commands.trim, n_tokens)
 
     def pin(self) -> int:
         """Keep this session's KV in the pool, never evicted, until unpin() (or the host closes).
         Its KV as it is now is parked first; later parks move the pin along. PinLimit when the
         host's cap on pinned bytes would be passed. Returns the bytes pinned."""
-        return self._host.call(self._host.commands.pin, self.id)
+        return self._call(self._host.commands.pin)
 
     def unpin(self) -> None:
         """Let this session's parked KV be evicted again under pressure."""
-        self._host.call(self._host.commands.unpin, self.id)
+        self._call(self._host.commands.unpin)
 
     @property
     def tokens(self) -> list[int]:
         """The committed tokens."""
-        return self._host.call(self._host.commands.tokens, self.id)
+        return self._call(self._host.commands.tokens)
 
     @property
     def messages(self) -> list[dict]:
         """The chat messages so far."""
-        return self._host.call(self._host.commands.messages, self.id)
+        return self._call(self._host.commands.messages)
 
     def info(self) -> SessionInfo:
         """The session's summary."""
-        return self._host.call(self._host.commands.info, self.id)
+        return self._call(self._host.commands.info)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of `tokens` (special tokens rendered)."""

@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ class Sessions:
         self.durable: dict[str, Live] = {}  # by id: the sessions the log holds
         self.requests: dict[str, Live] = {}  # by id: request lanes, in memory only
         self.parked_count = 0  # sessions whose state records parked KV (kept as they change: stats never walk them)
+        self.owned: Counter[str] = Counter()  # sessions by tenant (kept as they change, for the same reason)
         self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
         self._request_ids = itertools.count(1)
         self._chat: ChatTemplate | None = None
@@ -63,10 +65,11 @@ class Sessions:
 
     # ----------------------------------------------------------------------------- finding
 
-    def get(self, session_id: str) -> Live:
-        """The session of that id (SessionNotFound: none, or a request lane, which is nobody's to touch)."""
+    def get(self, session_id: str, tenant: str | None = None) -> Live:
+        """The session of that id (SessionNotFound: none, a request lane, which is nobody's to
+        touch, or one of another tenant than `tenant`, when given: to that tenant it does not exist)."""
         live = self.durable.get(session_id)
-        if live is None:
+        if live is None or (tenant is not None and live.state.tenant != tenant):
             raise SessionNotFound(f"no session {session_id!r} (see Host.sessions())")
         return live
 
@@ -109,19 +112,22 @@ class Sessions:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def open(self, session_id: str | None, settings: Sampling, priority: str) -> Live:
-        """A new session (`session_id`, or a fresh id)."""
+    def open(self, session_id: str | None, settings: Sampling, priority: str, tenant: str = "", salt: str = "") -> Live:
+        """A new session (`session_id`, or a fresh id) of `tenant`, its cache salt's digest `salt`."""
         session_id = self._new_id(session_id, "resume it with Host.session(id=...)")
-        self.log.append(Opened(session_id, time.time(), settings, priority))
+        self.log.append(Opened(session_id, time.time(), settings, priority, tenant=tenant, salt=salt))
         live = self.durable[session_id] = Live(self.log.states[session_id])
+        self.owned[tenant] += 1
         live.last_used, live.idle_since = self.order(), self.clock()
         live.active_at = live.idle_since
         return live
 
-    def open_request(self) -> Live:
-        """A new request lane: a session's state that is never logged and never listed."""
+    def open_request(self, tenant: str = "", salt: str = "") -> Live:
+        """A new request lane of `tenant` (its salt's digest `salt`): a session's state that is
+        never logged and never listed."""
         request_id = f"{REQUEST_PREFIX}{next(self._request_ids)}"
-        live = Live(SessionState(request_id, time.time(), Sampling(), "default"), durable=False)
+        live = Live(SessionState(request_id, time.time(), Sampling(), "default", tenant=tenant, salt=salt),
+                    durable=False)
         live.last_used, live.idle_since = self.order(), self.clock()
         self.requests[request_id] = live
         return live
@@ -130,11 +136,12 @@ class Sessions:
         """A child session with `parent`'s tokens and messages (its KV is the KV manager's to share)."""
         child_id = self._new_id(child_id, "fork into a new id")
         state = parent.state
-        records = [Opened(child_id, time.time(), state.sampling, state.priority, state.id)]
+        records = [Opened(child_id, time.time(), state.sampling, state.priority, state.id, state.tenant, state.salt)]
         records += [Turn(child_id, m["role"], m["content"], end) for m, end in zip(state.messages, state.message_ends)]
         records.append(Tokens(child_id, 0, list(state.tokens)))
         self.log.append(*records)
         child = self.durable[child_id] = Live(self.log.states[child_id])
+        self.owned[state.tenant] += 1
         child.last_used, child.idle_since = self.order(), self.clock()
         child.active_at = child.idle_since
         return child
@@ -160,6 +167,9 @@ class Sessions:
         if live.durable:
             self.log.append(Deleted(live.state.id))
             del self.durable[live.state.id]
+            self.owned[live.state.tenant] -= 1
+            if not self.owned[live.state.tenant]:
+                del self.owned[live.state.tenant]
             self.parked_count -= live.state.parked is not None
         else:
             del self.requests[live.state.id]
@@ -205,9 +215,10 @@ class Sessions:
                 # parent's for a fork that shared its parent's parked KV) tells them apart.
                 owners = {f"session:{state.id}", f"session:{state.parent}"}
                 if (info is None or info.identity != self.descriptor.identity or info.tokens != tokens
-                        or info.tag not in owners):
+                        or info.tag not in owners or info.namespace != state.namespace):
                     state.parked = None  # the record names KV the segment no longer holds
             live = self.durable[state.id] = Live(state, active_at=self.clock())  # idle from this start on
+            self.owned[state.tenant] += 1
             self.parked_count += state.parked is not None
             self.turns_closed += self.close_left_open(live)
 

@@ -3,8 +3,9 @@ publication, for readers that must not wait for the scheduler thread."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -36,6 +37,17 @@ class Counters:
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
     log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
     log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
+    rejected_by_tenant: Counter[str] = field(default_factory=Counter)  # `rejected`, by the tenant refused
+
+
+class TenantStats(msgspec.Struct, frozen=True):
+    """One tenant's part of the host (tenants.py): its sessions, its generations now, its refusals."""
+
+    sessions: int = 0
+    generating: int = 0  # generations running or waiting
+    waiting: int = 0  # of which not started yet
+    lanes: int = 0  # engine sequences running its generations
+    rejected: int = 0  # generations refused as Overloaded
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -73,6 +85,7 @@ class HostStats(msgspec.Struct, frozen=True):
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
     log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
     log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
+    tenants: dict[str, TenantStats] = {}  # by tenant ("" the unnamed one): those with sessions, work or refusals
 
 
 class Publisher:

@@ -22,15 +22,17 @@ from kvpool.layout import BlobLayout
 
 
 def export(engine: Engine, pool: Pool, seq: int, tokens: Sequence[int], *, tag: str = "",
-           recompute_cost: float | None = None) -> EntryInfo | None:
+           recompute_cost: float | None = None, namespace: str = "") -> EntryInfo | None:
     """Store `seq`'s state (covering `tokens`) as a new pool entry held once by the caller,
-    tagged `tag`; None when the pool has no room for it even after compaction and eviction."""
+    tagged `tag`, found by prefix only from `namespace`; None when the pool has no room for it
+    even after compaction and eviction."""
     identity = engine.describe().identity
     snapshot = engine.snapshot(seq, tokens)
     if snapshot.write_blob is None:
         return pool.put(identity, tokens, snapshot.arrays, tag=tag, recompute_cost=recompute_cost,
-                        engine_values=snapshot.engine_values)
-    writer = pool.reserve_blob(identity, tokens, snapshot.blob_bytes, tag=tag, recompute_cost=recompute_cost)
+                        engine_values=snapshot.engine_values, namespace=namespace)
+    writer = pool.reserve_blob(identity, tokens, snapshot.blob_bytes, tag=tag, recompute_cost=recompute_cost,
+                               namespace=namespace)
     if writer is None:
         return None
     with writer:  # leaving without the commit aborts: nothing half-written becomes visible

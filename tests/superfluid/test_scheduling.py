@@ -256,3 +256,17 @@ def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_hos
     assert stats.cells_used <= cells and stats.waiting == 0
     if churn is not None:
         assert stats.preemptions >= 4
+
+
+def test_a_generation_sharing_a_prefix_with_the_only_sequence_starts_once_that_lane_is_idle(open_host, runtime):
+    # The idle lane it would fork holds the engine's only sequence: it was kept for the fork and
+    # the generation waited for ever. It is parked instead, and its KV imported.
+    host = open_host(**{"llamacpp": {"llamacpp_n_seq_max": 1}, "mlx": {"mlx_max_sequences": 1}}[runtime])
+    first = host.session()
+    first.append_text(PROMPT)
+    first.generate(max_tokens=2).collect()
+    second = host.session()
+    second.append_text(PROMPT + " jumps")
+    generation = second.generate(max_tokens=2)
+    generation.collect()
+    assert generation.finish_reason == "length" and generation.cached_tokens > 0
