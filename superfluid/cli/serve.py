@@ -26,6 +26,7 @@ from superfluid.host.errors import LogBusy, LogCorrupt
 from superfluid.host.host import DEFAULT_POOL_BYTES, Host
 from superfluid.http import worker
 from superfluid.http.connections import REFUSING_ROOM
+from superfluid.http.keys import ApiKeys, KeysError
 from superfluid.http.responses import kv_summary
 from superfluid.http.server import (BACKLOG, BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS,
                                      SEND_TIMEOUT,
@@ -62,6 +63,7 @@ class UsageError(Exception):
 
 
 ENVIRONMENT_PREFIX = "SUPERFLUID_"
+KEYS_VARIABLE = f"{ENVIRONMENT_PREFIX}API_KEYS"  # tenants' keys as name=key pairs (there is no flag: argv is public)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -96,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     flag("--port", type=int, default=8000, help="port (0: a free one, printed)")
     flag("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    flag("--api-keys-file", type=Path, help="several tenants' keys, from a TOML file only its owner may read: "
+         "[tenants.NAME] keys = [\"...\"]; each tenant's sessions and cached prompts are its own (docs/operating.md; "
+         f"or name=key pairs in ${KEYS_VARIABLE})")
     flag("--allow-priority", type=_yes_no, nargs="?", const=True, default=False, help="honour `priority: "
          "interactive` in requests (it preempts the other clients' work; without this flag it is refused with a 400, "
          "as any client could send it)")
@@ -293,6 +298,25 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     return _serve(server, runtime, pool_bytes, pool_reason)
 
 
+def api_keys(args: argparse.Namespace) -> ApiKeys | None:
+    """The keys requests must carry, and their tenants: --api-key, --api-keys-file or
+    $SUPERFLUID_API_KEYS (one of them; none: no key needed)."""
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-keys-file", args.api_keys_file),
+                                      (f"${KEYS_VARIABLE}", os.environ.get(KEYS_VARIABLE))) if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} are both given; use one (a tenant `default` in a keys file takes "
+                         "the place of a single key)")
+    try:
+        if args.api_keys_file is not None:
+            return ApiKeys.from_file(args.api_keys_file)
+        if KEYS_VARIABLE in os.environ:
+            return ApiKeys.from_environment(os.environ[KEYS_VARIABLE], KEYS_VARIABLE)
+    except KeysError as exc:
+        raise UsageError(str(exc)) from None
+    _check_api_key(args.api_key)
+    return None if args.api_key is None else ApiKeys.single(args.api_key)
+
+
 def _check_api_key(key: str | None) -> None:
     """An empty key is a usage error (it would turn authentication off in silence); a key given on
     the command line is warned of (every user of the machine sees it in `ps`)."""
@@ -310,7 +334,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
     """The HTTP server bound to its port (before the model loads: a taken port costs no load)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a port is 0 to 65535 (0: any free one)")
-    _check_api_key(args.api_key)
+    keys = api_keys(args)
     if args.worker_name is not None:
         try:
             worker.check_name(args.worker_name)
@@ -327,7 +351,7 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
                                             "serving at most %d connections", args.max_connections, files_allowed(),
                                             allowed)
     try:
-        return Server(None, (args.host, args.port), api_key=args.api_key, allow_priority=args.allow_priority,
+        return Server(None, (args.host, args.port), keys=keys, allow_priority=args.allow_priority,
                       model_name=args.model_name or model_name_of(model), max_connections=allowed,
                       header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
                       body_timeout=args.body_timeout, send_timeout=args.send_timeout, worker_name=args.worker_name)

@@ -15,12 +15,13 @@ Every field a request may carry is accounted for:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
+from superfluid.host.tenants import MAX_SALT
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
@@ -55,6 +56,10 @@ REFUSED = {
     "reasoning_effort": "a reasoning budget", "modalities": "other output modalities", "audio": "audio output",
     "web_search_options": "web search", "prediction": "predicted outputs",
 }
+
+
+# A request's cache salt (vLLM's field): kept as a digest (superfluid/host/tenants.py).
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SALT)]
 
 
 class ApiError(Exception):
@@ -131,6 +136,7 @@ class _Generation(_Streamed, kw_only=True):
     best_of: int | None = None  # refused unless 1
     echo: bool | None = None  # refused unless false
     response_format: dict[str, Any] | None = None  # refused unless text
+    cache_salt: CacheSalt | None = None  # vLLM's: share cached KV only with requests of the same salt
 
 
 class ChatRequest(_Generation, kw_only=True):
@@ -318,6 +324,7 @@ class SessionCreate(_Sampled, kw_only=True):
     system: str | None = None
     messages: list[Message] = []
     priority: Literal["interactive", "default", "background"] = "default"
+    cache_salt: CacheSalt | None = None  # its prompts share cached KV only with sessions of the same salt
 
 
 class SessionMessages(msgspec.Struct, forbid_unknown_fields=True):

@@ -17,7 +17,7 @@ thousand threads.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import logging
 import time
@@ -30,8 +30,10 @@ from superfluid.host.errors import HostClosed, SessionNotFound
 from superfluid.host.interruption import Arrival
 from superfluid.host.request import GenerateRequest, Priority, Prompt
 from superfluid.host.session import LIVENESS_SECONDS
+from superfluid.host.tenants import UNNAMED
 from superfluid.http import api, builders, completions, responses, worker
 from superfluid.http.connections import ABORT, OVER_CAPACITY
+from superfluid.http.keys import ApiKeys
 from superfluid.http.metrics import CONTENT_TYPE, Metrics
 
 MAX_BODY = 1 << 20  # bytes of request body
@@ -80,6 +82,7 @@ class Exchange:
         self.close = False  # answer with Connection: close (the connection cannot carry another request)
         self.gone = False  # the client went away
         self.finished = False  # the response is complete
+        self.tenant: str | None = None  # whose request it is, once its key was checked (tenants.py)
 
     async def body(self, limit: int, timeout: float) -> bytes:
         """The request body (ApiError 413 over `limit` bytes, 408 when it is not all in within
@@ -186,15 +189,16 @@ class Exchange:
 class App:
     """The ASGI application: auth, routing, request decoding and OpenAI-style answers."""
 
-    def __init__(self, host, *, api_key: str | None, model_name: str, metrics: Metrics, allow_priority: bool = False,
+    def __init__(self, host, *, keys: ApiKeys | None, model_name: str, metrics: Metrics, allow_priority: bool = False,
                  max_connections: int, body_timeout: float, send_timeout: float = 60.0,
                  worker_name: str | None = None) -> None:
-        """`max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
+        """`keys`: the API keys and the tenant each names (None: no key needed, every request the
+        unnamed tenant's); `max_connections`: the cap the 503 for a connection beyond it names; `body_timeout`:
         seconds a request body may take to arrive; `send_timeout`: seconds a response may wait for
         its client to read; `worker_name`: this server's name among workers behind a router (it
         heads the ids of the sessions it creates; worker.py)."""
         self.host = host
-        self.api_key = api_key or None
+        self.keys = keys
         self.allow_priority = allow_priority  # honour priority "interactive" (it preempts other clients)
         self.model_name = model_name
         self.metrics = metrics
@@ -227,7 +231,7 @@ class App:
                                        kind="invalid_request_error")
                 raise api.ApiError(404, f"no route {exchange.method} {route}", kind="not_found_error")
             if route != "/health":
-                self._authorize(exchange)
+                exchange.tenant = self._authorize(exchange)
             status = await getattr(self, handler)(exchange, session_id) or 200
         except Exception as exc:  # noqa: BLE001 - every error is answered, and the server goes on
             if isinstance(exc, SessionNotFound) and session_id is not None:
@@ -244,25 +248,27 @@ class App:
         finally:
             if exchange.gone:
                 status = 499
-            self.metrics.count(route, status)
+            self.metrics.count(route, status, exchange.tenant)
             # one line per request (the path as repr: a hostile one cannot forge log lines)
             REQUESTS.info("%s %s %r %d %.0f ms", exchange.client, exchange.method, exchange.target[:200], status,
                           (time.perf_counter() - exchange.arrived) * 1000)
 
-    def _authorize(self, exchange: Exchange) -> None:
-        if self.api_key is None:
-            return
+    def _authorize(self, exchange: Exchange) -> str:
+        """The tenant whose key the request carries; ApiError 401 without a key this server knows."""
+        if self.keys is None:
+            return UNNAMED
         given = exchange.headers.get("authorization", "")
-        token = given[7:] if given.startswith("Bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        tenant = self.keys.tenant_of(given[7:]) if given.startswith("Bearer ") else None
+        if tenant is None:
             raise api.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                kind="authentication_error", code="invalid_api_key")
+        return tenant
 
-    async def call(self, command: Callable, *args: Any, arrival: Arrival | None = None) -> Any:
-        """Run `command(*args)` on the scheduler thread and await its result, never blocking the
-        loop (HostClosed if the scheduler stops before answering). `arrival`: the command starts
-        a request that may stop the step in flight (Host.call)."""
-        future = asyncio.wrap_future(self.host.submit(command, *args, arrival=arrival))
+    async def call(self, command: Callable, *args: Any, arrival: Arrival | None = None, **keywords: Any) -> Any:
+        """Run `command(*args, **keywords)` on the scheduler thread and await its result, never
+        blocking the loop (HostClosed if the scheduler stops before answering). `arrival`: the
+        command starts a request that may stop the step in flight (Host.call)."""
+        future = asyncio.wrap_future(self.host.submit(command, *args, arrival=arrival, **keywords))
         while True:
             done, _ = await asyncio.wait({future}, timeout=LIVENESS_SECONDS)
             if done:
@@ -369,51 +375,55 @@ class App:
         self._check_priority(request.priority)
         settings = sampler.Sampling(**api.sampling_of(request))
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
+        tenant = exchange.tenant
         session_id = await self.call(self.host.commands.create, worker.new_session_id(self.worker_name),
-                                     request.system, settings, request.priority)
+                                     request.system, settings, request.priority, tenant=tenant,
+                                     cache_salt=request.cache_salt)
         try:
-            await self._append(session_id, messages)
+            await self._append(session_id, messages, tenant)
         except BaseException:  # none of it if a message is refused
-            await self.call(self.host.commands.delete, session_id)
+            await self.call(self.host.commands.delete, session_id, tenant=tenant)
             raise
-        await self._session_json(exchange, 201, await self.call(self.host.commands.info, session_id))
+        await self._session_json(exchange, 201, await self.call(self.host.commands.info, session_id, tenant=tenant))
         return 201
 
     async def _session_list(self, exchange: Exchange, _: None) -> None:
-        listed = await self.call(self.host.commands.list)
+        listed = await self.call(self.host.commands.list, tenant=exchange.tenant)
         await exchange.json(200, {"object": "list", "data": [{"id": i.id, "object": "session", "tokens": i.tokens,
                                                               "messages": i.messages, "parent": i.parent}
                                                              for i in listed]})
 
     async def _session_info(self, exchange: Exchange, session_id: str) -> None:
-        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id))
+        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id,
+                                                                tenant=exchange.tenant))
 
     async def _session_messages(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionMessages)
         messages = [(_role(m), api.text_of(m)) for m in request.messages]
-        await self._append(session_id, messages)
-        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id))
+        await self._append(session_id, messages, exchange.tenant)
+        await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id,
+                                                                tenant=exchange.tenant))
 
-    async def _append(self, session_id: str, messages: list[tuple[str, str]]) -> None:
-        """Append `messages` to a session, rendered on a worker thread (Host.append_messages)."""
+    async def _append(self, session_id: str, messages: list[tuple[str, str]], tenant: str) -> None:
+        """Append `messages` to `tenant`'s session, rendered on a worker thread (Host.append_messages)."""
         if messages:
-            await builders.build(self.host.append_messages, session_id, messages)
+            await builders.build(functools.partial(self.host.append_messages, tenant=tenant), session_id, messages)
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
         wanted = self._wanted(request, chat=True)
-        generation = await self.call(self.host.commands.generate, session_id, wanted)
+        generation = await self.call(self.host.commands.generate, session_id, wanted, tenant=exchange.tenant)
         await completions.answer(self, exchange, generation, request, chat=True)
 
     async def _session_fork(self, exchange: Exchange, session_id: str) -> int:
-        commands = self.host.commands
+        commands, tenant = self.host.commands, exchange.tenant
         child_id = worker.new_session_id(self.worker_name)
-        info = await self.call(lambda: commands.info(commands.fork(session_id, child_id)))
+        info = await self.call(lambda: commands.info(commands.fork(session_id, child_id, tenant=tenant), tenant=tenant))
         await self._session_json(exchange, 201, info)
         return 201
 
     async def _session_delete(self, exchange: Exchange, session_id: str) -> None:
-        await self.call(self.host.commands.delete, session_id)
+        await self.call(self.host.commands.delete, session_id, tenant=exchange.tenant)
         await exchange.json(200, {"id": session_id, "object": "session", "deleted": True})
 
 

@@ -36,10 +36,12 @@ async def one_shot(app: App, exchange: Exchange, request, prompt: PreparedPrompt
     opened, filled and started in one scheduler command (a busy engine answers commands between
     steps, so one wait), then answered. The lane ends with its generation, on the scheduler
     thread, before the reply's last bytes: its KV parked in the pool for later requests with the
-    same prefix. A reply cut short (the client left, an error) cancels the generation."""
+    same prefix (of its tenant and cache salt only). A reply cut short (the client left, an error)
+    cancels the generation."""
     priority = Priority.DEFAULT if wanted.priority is None else wanted.priority
     _, generation = await app.call(app.host.commands.start_request, prompt, wanted,
-                                   arrival=Arrival(priority, len(prompt.tokens)))
+                                   arrival=Arrival(priority, len(prompt.tokens)), tenant=exchange.tenant,
+                                   cache_salt=request.cache_salt)
     try:
         await answer(app, exchange, generation, request, chat)
     finally:
@@ -69,6 +71,8 @@ async def answer(app: App, exchange: Exchange, generation: Generation, request, 
         finally:
             if first is not None:
                 app.metrics.latency(time.perf_counter() - exchange.arrived)
+            app.metrics.tokens(exchange.tenant, generation.prompt_tokens, generation.cached_tokens,
+                               len(generation.tokens))
     finally:
         watcher.cancel()
 

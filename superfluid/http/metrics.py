@@ -4,7 +4,9 @@ the host's own counters and gauges read at each scrape.
 Names follow vLLM's where they mean the same (`time_to_first_token_seconds`,
 `time_per_output_token_seconds`, `e2e_request_latency_seconds`), under the `superfluid_` prefix.
 Every label value comes from a closed set: the route label is a route of the server's table, or
-`other` for any path it does not serve, so a client cannot add series or break the exposition.
+`other` for any path it does not serve; the tenant label a tenant of the server's keys (`default`
+the unnamed one), so a client cannot add series or break the exposition. Each tenant's series
+(`superfluid_tenant_*`) count what its requests asked and what the host holds for it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from superfluid.http.keys import label
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER_ROUTE = "other"
@@ -58,6 +62,16 @@ HOST_SERIES = (
     ("kv_cell_bytes", "gauge", "Bytes of KV per cell (the cell price).", "cell_price"),
 )
 
+# Each tenant's part of the host: (name, kind, help, TenantStats field), labelled by tenant.
+TENANT_SERIES = (
+    ("tenant_sessions", "gauge", "Sessions a tenant holds.", "sessions"),
+    ("tenant_generating", "gauge", "A tenant's generations running or waiting.", "generating"),
+    ("tenant_waiting", "gauge", "A tenant's generations not started yet.", "waiting"),
+    ("tenant_lanes", "gauge", "Engine sequences running a tenant's generations.", "lanes"),
+    ("tenant_rejected", "counter", "A tenant's generations answered 503 (its share of the wait queue was full, "
+     "or it waited too long).", "rejected"),
+)
+
 
 class _HostCollector:
     """The host's statistics as series: those of the scrape being answered."""
@@ -70,6 +84,9 @@ class _HostCollector:
         may exist: the server binds its port before the model loads)."""
         for name, kind, help_text, _ in HOST_SERIES:
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
+        for name, kind, help_text, _ in TENANT_SERIES:
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
+                                                                                     labels=("tenant",))
 
     def collect(self):
         """The host's series, from the statistics of this scrape (none before a host exists)."""
@@ -78,6 +95,12 @@ class _HostCollector:
         for name, kind, help_text, field in HOST_SERIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"superfluid_{name}", help_text, value=getattr(self.stats, field))
+        for name, kind, help_text, field in TENANT_SERIES:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
+                                                                                        labels=("tenant",))
+            for tenant, part in self.stats.tenants.items():
+                family.add_metric((label(tenant),), getattr(part, field))
+            yield family
 
 
 class Metrics:
@@ -98,6 +121,11 @@ class Metrics:
         self.latency_seconds = Histogram("superfluid_e2e_request_latency_seconds",
                                          "Seconds from a generating request's arrival to its last byte.",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tenant_requests = Counter("superfluid_tenant_requests", "HTTP requests by tenant and status (those "
+                                       "whose key was accepted).", ("tenant", "status"), registry=self.registry)
+        self.tenant_tokens = Counter("superfluid_tenant_tokens", "Tokens of a tenant's generations: prompt (of "
+                                     "which cached: taken from cache) and completion.", ("tenant", "kind"),
+                                     registry=self.registry)
         self.stalled_clients = Counter("superfluid_stalled_clients", "Responses cut because their client read "
                                        "nothing for the send deadline (serve's --send-timeout).",
                                        registry=self.registry)
@@ -108,9 +136,20 @@ class Metrics:
         """The route label for a request's route: itself if the server serves it, else `other`."""
         return route if route in self.routes else OTHER_ROUTE
 
-    def count(self, route: str, status: int) -> None:
-        """Count one answered request."""
+    def count(self, route: str, status: int, tenant: str | None = None) -> None:
+        """Count one answered request (and its tenant's, once its key was accepted)."""
         self.requests.labels(self.route_label(route), str(status)).inc()
+        if tenant is not None:
+            self.tenant_requests.labels(label(tenant), str(status)).inc()
+
+    def tokens(self, tenant: str | None, prompt: int, cached: int, completion: int) -> None:
+        """Count the tokens of one of `tenant`'s generations."""
+        if tenant is None:
+            return
+        name = label(tenant)
+        for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            if count:
+                self.tenant_tokens.labels(name, kind).inc(count)
 
     def first_token(self, seconds: float) -> None:
         """Record a request's time to first token."""

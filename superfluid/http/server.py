@@ -32,6 +32,7 @@ import uvicorn
 from superfluid.http import worker
 from superfluid.http.app import ROUTES, App
 from superfluid.http.connections import ServerConfig
+from superfluid.http.keys import ApiKeys
 from superfluid.http.metrics import Metrics
 
 HEADER_TIMEOUT = 10.0  # seconds to send a whole request head
@@ -53,8 +54,8 @@ LOG = logging.getLogger(__name__)
 class Server:
     """The HTTP server around one Host: bound at construction, serving in `run()`."""
 
-    def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, allow_priority: bool = False,
-                 model_name: str | None = None,
+    def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, keys: ApiKeys | None = None,
+                 allow_priority: bool = False, model_name: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
                  send_timeout: float = SEND_TIMEOUT, worker_name: str | None = None) -> None:
@@ -62,9 +63,12 @@ class Server:
         later (`server.host = Host(...)`), before `run()`. OSError if the address is taken.
         `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py);
         `allow_priority`: honour `priority: "interactive"` (else it is refused: any client could
-        send it and preempt the others)."""
+        send it and preempt the others). `api_key`: the one key every request must carry, or
+        `keys`: the tenants' keys (superfluid/http/keys.py); neither: no key needed."""
+        if api_key is not None and keys is not None:
+            raise ValueError("give api_key (one key) or keys (tenants' keys), not both")
         self.host = host
-        self.api_key = api_key or None
+        self.keys = ApiKeys.single(api_key) if api_key else keys
         self.allow_priority = allow_priority
         self.model_name = model_name or "superfluid"
         self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
@@ -92,7 +96,7 @@ class Server:
         """Serve until `stop()`, SIGTERM or SIGINT (signals when called on the main thread), then
         stop gracefully (the host is closed on the way). `on_serving` is called once requests are
         answered and the signals are handled. Blocks."""
-        app = App(self.host, api_key=self.api_key, allow_priority=self.allow_priority, model_name=self.model_name,
+        app = App(self.host, keys=self.keys, allow_priority=self.allow_priority, model_name=self.model_name,
                   metrics=self.metrics,
                   max_connections=self.max_connections, body_timeout=self.body_timeout,
                   send_timeout=self.send_timeout, worker_name=self.worker_name)

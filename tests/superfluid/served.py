@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 class Served:
     """A `superfluid serve` child process; stopped with SIGTERM and its pool removed."""
 
-    def __init__(self, model, tmp_path, *extra: str, pool: str | None = None, exact: bool = True) -> None:
+    def __init__(self, model, tmp_path, *extra: str, pool: str | None = None, exact: bool = True,
+                 environment: dict[str, str] | None = None) -> None:
         """`exact` pins llama.cpp's flash attention off (serve's default is on), so that replies
-        can be compared token for token across batch shapes and restarts."""
+        can be compared token for token across batch shapes and restarts. `environment`: variables
+        the server gets besides this process's (those starting SUPERFLUID_ are not passed on)."""
         self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
         self.log_dir = tmp_path / f"log-{self.pool}"
         # stderr (a line per request) goes to a file: a pipe nobody reads would fill and stall the server
@@ -32,7 +34,8 @@ class Served:
                  *([] if Path(model).is_dir() else ["--llamacpp-threads=2"]),
                  *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                env={k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"})
+                env={**{k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"},
+                     **(environment or {})})
         try:
             line = self.process.stdout.readline()
             assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
