@@ -15,6 +15,7 @@
     log_format.py     how the log lies on disk: self-checking frames, numbered records, private files
     log_repair.py     checking a damaged log and keeping every intact record (superfluid log)
     transfer.py       moving one sequence's state between an engine and the pool
+    tenants.py        who owns a session, whose cached KV it may share, each tenant's share under load
 
 and what those use: sampling, stop strings (stream.py), chat templates (chat.py and
 conversation_cache.py), counters and their publication (stats.py), errors, and the churn test

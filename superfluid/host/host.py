@@ -39,7 +39,7 @@ from superfluid.host.request import Priority, Prompt
 from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
-from superfluid.host.tenants import UNNAMED
+from superfluid.host.tenants import UNNAMED, check_tenant, namespace, salt_digest
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
@@ -156,15 +156,16 @@ class Host:
         """True while the scheduler thread runs (False once closed or failed)."""
         return self._thread.alive()
 
-    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+    def prepare(self, prompt: Prompt, *, tenant: str = UNNAMED, cache_salt: str | None = None) -> PreparedPrompt:
         """`prompt` (chat messages or a text) rendered and tokenized for a one-shot request
-        (`commands.start_request`), on the calling thread: a long conversation costs its caller,
-        never the scheduler thread everyone waits on. ChatError for messages the template refuses;
-        TooManyMessages past `max_messages`."""
+        (`commands.start_request`) of `tenant` and `cache_salt`, on the calling thread: a long
+        conversation costs its caller, never the scheduler thread everyone waits on. ChatError for
+        messages the template refuses; TooManyMessages past `max_messages`."""
         self._check_messages(len(prompt.messages))
+        space = namespace(check_tenant(tenant), salt_digest(cache_salt))
         if self._tokenizes_anywhere:
-            return self.prompts.build(prompt)
-        return self.call(self.prompts.build, prompt)
+            return self.prompts.build(prompt, space)
+        return self.call(self.prompts.build, prompt, space)
 
     def append_messages(self, session_id: str, messages: Sequence[tuple[str, str]], *,
                         tenant: str | None = None) -> None:

@@ -44,14 +44,15 @@ class PromptBuilder:
         """`text`'s tokens, special tokens parsed (any thread)."""
         return self.tokenizer.tokenize(text, special=True)
 
-    def build(self, prompt: Prompt) -> PreparedPrompt:
+    def build(self, prompt: Prompt, namespace: str = "") -> PreparedPrompt:
         """`prompt`'s tokens as an empty lane takes them: the chat messages rendered as appending
         them in turn would (a long new history at once), or the text after a BOS where the model
-        asks for one. ChatError for messages the template refuses."""
+        asks for one; renderings are reused within `namespace` only (conversation_cache.py).
+        ChatError for messages the template refuses."""
         if prompt.messages:
             messages = [{"role": role, "content": content} for role, content in prompt.messages]
             try:
-                pieces = self.conversations.tokens(prompt.messages)
+                pieces = self.conversations.tokens(prompt.messages, namespace)
                 tokens, ends = [], []
                 for piece in pieces:
                     tokens += piece

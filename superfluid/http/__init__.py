@@ -2,6 +2,7 @@
 
     server.py       the socket and uvicorn, with connection limits (connections.py)
     app.py          routing, auth and the session routes
+    keys.py         the API keys and the tenant each names
     api.py          the request bodies, decoded and validated
     completions.py  chat and text completions, whole or streamed
     responses.py    errors (one table from the host's errors to statuses), usage

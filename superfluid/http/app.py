@@ -318,10 +318,11 @@ class App:
         body = await exchange.body(MAX_BODY, self.body_timeout)
         # decoding, checking, rendering and tokenizing cost as much as the request is long: on a
         # worker thread, so neither the event loop nor the scheduler thread waits for them
-        await completions.one_shot(self, exchange, *await builders.build(self._chat_request, body), chat=True)
+        await completions.one_shot(self, exchange, *await builders.build(self._chat_request, body, exchange.tenant),
+                                   chat=True)
 
-    def _chat_request(self, body: bytes) -> tuple:
-        """On a worker thread: the chat request, its prompt built, and what it asks of the host."""
+    def _chat_request(self, body: bytes, tenant: str) -> tuple:
+        """On a worker thread: `tenant`'s chat request, its prompt built, and what it asks of the host."""
         request = api.decode(body, api.ChatRequest)
         self._check_model(request.model)
         api.refuse_unsupported(request)
@@ -329,15 +330,15 @@ class App:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
         wanted = self._wanted(request, chat=True)
         messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
-        return request, self.host.prepare(Prompt(messages)), wanted
+        return request, self.host.prepare(Prompt(messages), tenant=tenant, cache_salt=request.cache_salt), wanted
 
     async def _completions(self, exchange: Exchange, _: None) -> None:
         body = await exchange.body(MAX_BODY, self.body_timeout)
-        await completions.one_shot(self, exchange, *await builders.build(self._completion_request, body),
-                                   chat=False)
+        await completions.one_shot(self, exchange, *await builders.build(self._completion_request, body,
+                                                                         exchange.tenant), chat=False)
 
-    def _completion_request(self, body: bytes) -> tuple:
-        """On a worker thread: the completion request, its prompt built, and what it asks of the host."""
+    def _completion_request(self, body: bytes, tenant: str) -> tuple:
+        """On a worker thread: `tenant`'s completion request, its prompt built, and what it asks of the host."""
         request = api.decode(body, api.CompletionRequest)
         self._check_model(request.model)
         api.refuse_unsupported(request)
@@ -347,7 +348,8 @@ class App:
                                    param="prompt")
             request.prompt = request.prompt[0]
         wanted = self._wanted(request, chat=False)
-        return request, self.host.prepare(Prompt(text=request.prompt)), wanted
+        return request, self.host.prepare(Prompt(text=request.prompt), tenant=tenant,
+                                          cache_salt=request.cache_salt), wanted
 
     def _wanted(self, request, *, chat: bool) -> GenerateRequest:
         """The host's request for an HTTP request (api.generate_request), its priority allowed."""

@@ -46,6 +46,21 @@ def test_each_request_renders_only_what_follows_the_history_a_recent_one_sent():
     assert list(cache.tokens(again)) == one_at_a_time(template, again) and cache.rendered == before
 
 
+def test_a_history_another_tenant_sent_is_rendered_in_full():
+    # the time a rendering takes would otherwise tell a client whether another tenant sent it
+    template = ChatTemplate(None)
+    cache = ConversationCache(template, characters)
+    history = conversation(3)
+    cache.tokens(history, "alice")
+    before = cache.rendered
+    assert list(cache.tokens([*history, ("user", "More?")], "bob#salt")) == one_at_a_time(
+        template, [*history, ("user", "More?")])
+    assert cache.rendered - before == len(history) + 1
+    before = cache.rendered
+    cache.tokens([*history, ("user", "More?")], "alice")
+    assert cache.rendered - before == 1
+
+
 def test_a_short_new_conversation_is_rendered_a_message_at_a_time():
     template = ChatTemplate(None)
     cache = ConversationCache(template, characters)
