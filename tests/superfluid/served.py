@@ -34,8 +34,8 @@ class Served:
                  *([] if Path(model).is_dir() else ["--llamacpp-threads=2"]),
                  *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                env={**{k: v for k, v in os.environ.items() if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"},
-                     **(environment or {})})
+                env={**{k: v for k, v in os.environ.items()
+                        if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"}, **(environment or {})})
         try:
             line = self.process.stdout.readline()
             assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"

@@ -258,7 +258,7 @@ def test_more_work_than_the_engine_has_cells_finishes_as_it_would_alone(open_hos
         assert stats.preemptions >= 4
 
 
-def test_a_generation_sharing_a_prefix_with_the_only_sequence_starts_once_that_lane_is_idle(open_host, runtime):
+def test_a_generation_sharing_a_prefix_with_the_only_sequence_starts_once_it_is_idle(open_host, runtime):
     # The idle lane it would fork holds the engine's only sequence: it was kept for the fork and
     # the generation waited for ever. It is parked instead, and its KV imported.
     host = open_host(**{"llamacpp": {"llamacpp_n_seq_max": 1}, "mlx": {"mlx_max_sequences": 1}}[runtime])

@@ -48,12 +48,13 @@ def two_tenants(tiny_models, tmp_path):
 
 def test_a_tenants_sessions_do_not_exist_for_another_tenant(two_tenants):
     server = two_tenants
-    status, made = call(server, KEYS["alice"], "POST", "/v1/sessions", {"messages": [{"role": "user", "content": "hi"}]})
+    hello = {"messages": [{"role": "user", "content": "hi"}]}
+    status, made = call(server, KEYS["alice"], "POST", "/v1/sessions", hello)
     assert status == 201
     session = made["id"]
     status, nobodys = call(server, KEYS["bob"], "GET", "/v1/sessions/no-such-session")
     for method, path, body in (("GET", f"/v1/sessions/{session}", None),
-                               ("POST", f"/v1/sessions/{session}/messages", {"messages": [{"role": "user", "content": "x"}]}),
+                               ("POST", f"/v1/sessions/{session}/messages", hello),
                                ("POST", f"/v1/sessions/{session}/generate", {"max_tokens": 1}),
                                ("POST", f"/v1/sessions/{session}/fork", None),
                                ("DELETE", f"/v1/sessions/{session}", None)):
