@@ -351,8 +351,10 @@ def _listen(args: argparse.Namespace, model: Path) -> Server:
                                             "serving at most %d connections", args.max_connections, files_allowed(),
                                             allowed)
     try:
-        return Server(None, (args.host, args.port), keys=keys, allow_priority=args.allow_priority,
-                      model_name=args.model_name or model_name_of(model), max_connections=allowed,
+        reload = None if args.api_keys_file is None else lambda: ApiKeys.from_file(args.api_keys_file)
+        return Server(None, (args.host, args.port), keys=keys, reload_keys=reload,
+                      allow_priority=args.allow_priority, model_name=args.model_name or model_name_of(model),
+                      max_connections=allowed,
                       header_timeout=args.header_timeout, keep_alive_timeout=args.timeout_keep_alive,
                       body_timeout=args.body_timeout, send_timeout=args.send_timeout, worker_name=args.worker_name)
     except socket.gaierror as exc:

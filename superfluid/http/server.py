@@ -24,6 +24,7 @@ import asyncio
 import logging
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import uvicorn
 from superfluid.http import worker
 from superfluid.http.app import ROUTES, App
 from superfluid.http.connections import ServerConfig
-from superfluid.http.keys import ApiKeys
+from superfluid.http.keys import ApiKeys, KeysError
 from superfluid.http.metrics import Metrics
 
 HEADER_TIMEOUT = 10.0  # seconds to send a whole request head
@@ -55,7 +56,8 @@ class Server:
     """The HTTP server around one Host: bound at construction, serving in `run()`."""
 
     def __init__(self, host, address: tuple[str, int], *, api_key: str | None = None, keys: ApiKeys | None = None,
-                 allow_priority: bool = False, model_name: str | None = None,
+                 reload_keys: Callable[[], ApiKeys] | None = None, allow_priority: bool = False,
+                 model_name: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
                  keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
                  send_timeout: float = SEND_TIMEOUT, worker_name: str | None = None) -> None:
@@ -64,11 +66,13 @@ class Server:
         `worker_name`: this server's name among workers behind a router (superfluid/http/worker.py);
         `allow_priority`: honour `priority: "interactive"` (else it is refused: any client could
         send it and preempt the others). `api_key`: the one key every request must carry, or
-        `keys`: the tenants' keys (superfluid/http/keys.py); neither: no key needed."""
+        `keys`: the tenants' keys (superfluid/http/keys.py); neither: no key needed. `reload_keys`:
+        reads them again, on SIGHUP (KeysError keeps those in use)."""
         if api_key is not None and keys is not None:
             raise ValueError("give api_key (one key) or keys (tenants' keys), not both")
         self.host = host
         self.keys = ApiKeys.single(api_key) if api_key else keys
+        self.reload_keys = reload_keys
         self.allow_priority = allow_priority
         self.model_name = model_name or "superfluid"
         self.worker_name = worker.check_name(worker_name) if worker_name is not None else None
@@ -106,12 +110,23 @@ class Server:
                               timeout_keep_alive=self.keep_alive_timeout, timeout_graceful_shutdown=STOP_TIMEOUT,
                               lifespan="off", log_config=None, access_log=False, server_header=False,
                               proxy_headers=False, backlog=BACKLOG, ws="none")
-        self._uvicorn = _Uvicorn(config, before_drain=self.host.close, on_serving=on_serving)
+        self._uvicorn = _Uvicorn(config, before_drain=self.host.close, on_serving=on_serving,
+                                 on_hangup=None if self.reload_keys is None else lambda: self._reload(app))
         self._uvicorn.should_exit = self._stop_asked
         try:
             self._uvicorn.run(sockets=[self.socket])
         finally:
             self.close()
+
+    def _reload(self, app: App) -> None:
+        """SIGHUP: the keys read again and in use from the next request; a file that cannot be
+        used now keeps those in use (and says why)."""
+        try:
+            app.keys = self.keys = self.reload_keys()
+        except KeysError as exc:
+            LOG.warning("SIGHUP: the keys in use are kept: %s", exc)
+            return
+        LOG.info("SIGHUP: keys read again from %s: %d tenants", self.keys.source, len(self.keys.tenants))
 
     def stop(self) -> None:
         """Begin a graceful stop (safe from any thread or a signal handler; before `run()` too)."""
@@ -129,9 +144,9 @@ class _Uvicorn(uvicorn.Server):
     responses in flight, and that leaves the process's exit to its caller after a signal."""
 
     def __init__(self, config: uvicorn.Config, *, before_drain: Callable[[], None],
-                 on_serving: Callable[[], None]) -> None:
+                 on_serving: Callable[[], None], on_hangup: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self.before_drain, self.on_serving = before_drain, on_serving
+        self.before_drain, self.on_serving, self.on_hangup = before_drain, on_serving, on_hangup
 
     def handle_exit(self, sig: int, frame) -> None:
         """SIGTERM or SIGINT: stop gracefully; a second SIGINT: stop now. (uvicorn's own also
@@ -145,6 +160,8 @@ class _Uvicorn(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         """Start answering (signals are handled from here on), then say so."""
         await super().startup(sockets)
+        if self.on_hangup is not None and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_hangup)
         if self.started:
             self.on_serving()
 

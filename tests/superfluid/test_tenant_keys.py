@@ -4,6 +4,8 @@ process per test, driven with the official `openai` client and raw requests."""
 
 import json
 import os
+import signal
+import time
 
 import openai
 import pytest
@@ -166,3 +168,31 @@ def test_keys_files_of_other_shapes_and_environment_pairs_are_refused_without_ec
     assert "sk-secret" not in str(refused.value)
     keys = ApiKeys.from_environment("alice=sk-1,default=sk-2", "SUPERFLUID_API_KEYS")
     assert (keys.tenant_of("sk-1"), keys.tenant_of("sk-2"), keys.tenant_of("sk-3")) == ("alice", "", None)
+
+
+def test_sighup_reads_the_keys_file_again_and_a_file_that_cannot_be_used_keeps_the_keys_in_use(
+        tiny_models, tmp_path):
+    path = keys_file(tmp_path / "keys.toml", {"alice": [KEYS["alice"]]})
+    server = Served(tiny_models["f32"].gguf, tmp_path, "--api-keys-file", str(path))
+    try:
+        _, made = call(server, KEYS["alice"], "POST", "/v1/sessions", {})
+        keys_file(path, {"alice": ["sk-alice-new-0123456789"]})  # rotated without a restart
+        server.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: "keys read again" in server.stderr())
+        assert call(server, "sk-alice-new-0123456789", "GET", f"/v1/sessions/{made['id']}")[0] == 200
+        assert call(server, KEYS["alice"], "GET", "/v1/sessions")[0] == 401
+        os.chmod(path, 0o644)
+        server.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: "the keys in use are kept" in server.stderr())
+        assert "chmod 600" in server.stderr()
+        assert call(server, "sk-alice-new-0123456789", "GET", f"/v1/sessions/{made['id']}")[0] == 200
+    finally:
+        assert server.stop() == 0
+
+
+def wait_for(condition, seconds=60):
+    """Until `condition()` holds (a signal is handled by the server's event loop, soon after)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the server never did it"
+        time.sleep(0.05)
