@@ -131,7 +131,7 @@ class Commands:
         self.scheduler.check_capacity(live)
         opened_at = len(live.state.tokens)
         if opening:  # only once the generation is sure to start
-            self.sessions.commit(live, opening)
+            self.sessions.commit(live, opening, opens_turn=True)
         tokens = live.state.tokens
         self.kv.cut(live, len(tokens) - 1)  # the last token's logits are needed
         generation = Generation(live.state.id)

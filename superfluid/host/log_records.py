@@ -37,11 +37,14 @@ class Opened(msgspec.Struct, tag="open"):
 
 
 class Tokens(msgspec.Struct, tag="tokens"):
-    """Tokens committed to a session, starting at position `start`."""
+    """Tokens committed to a session, starting at position `start`. `opens_turn`: they are the
+    assistant's opening a generation committed; the turn is open until a Turn record closes it
+    (a log that ends with it open was cut short by a crash: recovery closes it)."""
 
     session: str
     start: int
     tokens: list[int]
+    opens_turn: bool = False
 
 
 class Turn(msgspec.Struct, tag="turn"):
@@ -95,6 +98,7 @@ class SessionState:
     parked: tuple[int, int] | None = None  # (pool entry, tokens it covers)
     tenant: str = ""  # its owner (tenants.py)
     salt: str = ""  # the digest of its creator's cache_salt ("" without one)
+    open_turn: tuple[int, int] | None = None  # [start, end) of the opening of an assistant turn not closed yet
 
     @property
     def namespace(self) -> str:
@@ -106,9 +110,13 @@ class SessionState:
         records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent,
                                         self.tenant, self.salt)]
         records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
-        # a long session's tokens in several records, so none nears the size a reader accepts
-        for start in range(0, len(self.tokens), TOKENS_PER_RECORD):
-            records.append(Tokens(self.id, start, self.tokens[start:start + TOKENS_PER_RECORD]))
+        # a long session's tokens in several records, so none nears the size a reader accepts;
+        # an open turn's opening in one of its own, marked as it was
+        cuts = set(range(0, len(self.tokens), TOKENS_PER_RECORD)) | set(self.open_turn or ())
+        bounds = sorted(cut for cut in cuts | {len(self.tokens)} if cut <= len(self.tokens))
+        for start, end in zip(bounds, bounds[1:]):
+            opens = self.open_turn is not None and start == self.open_turn[0]
+            records.append(Tokens(self.id, start, self.tokens[start:end], opens_turn=opens))
         if self.parked is not None:
             records.append(Parked(self.id, *self.parked))
         return records
@@ -139,11 +147,16 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
     if state is None:
         return  # a deletion of a session already gone
     if isinstance(record, Tokens):
+        if record.opens_turn:
+            state.open_turn = (record.start, record.start + len(record.tokens))
         state.tokens.extend(record.tokens)
     elif isinstance(record, Turn):
         state.messages.append({"role": record.role, "content": record.content})
         state.message_ends.append(record.end)
+        state.open_turn = None  # (what closes a turn is a message)
     elif isinstance(record, Trimmed):
+        if state.open_turn is not None and state.open_turn[1] > record.length:
+            state.open_turn = None  # cut into its opening: no turn is open
         del state.tokens[record.length:]
         kept = sum(1 for end in state.message_ends if end <= record.length)
         del state.messages[kept:], state.message_ends[kept:]
@@ -164,14 +177,20 @@ def undo_of(states: dict[str, SessionState], record: Record) -> Callable[[], Non
         return lambda: None
     if isinstance(record, Deleted):
         return lambda: states.__setitem__(record.session, state)
+    open_turn = state.open_turn
     if isinstance(record, Tokens):
         length = len(state.tokens)
-        return lambda: state.tokens.__delitem__(slice(length, None))
+
+        def drop_tokens() -> None:
+            del state.tokens[length:]
+            state.open_turn = open_turn
+        return drop_tokens
     if isinstance(record, Turn):
         count = len(state.messages)
 
         def drop_turn() -> None:
             del state.messages[count:], state.message_ends[count:]
+            state.open_turn = open_turn
         return drop_turn
     parked = state.parked
     if isinstance(record, Parked):
@@ -181,6 +200,7 @@ def undo_of(states: dict[str, SessionState], record: Record) -> Callable[[], Non
 
     def untrim() -> None:
         state.tokens[:], state.messages[:], state.message_ends[:], state.parked = tokens, messages, ends, parked
+        state.open_turn = open_turn
     return untrim
 
 

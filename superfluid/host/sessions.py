@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log_records
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.errors import ChatError, ContextFull, SessionNotFound, SuperfluidError
+from superfluid.host.errors import ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog
 from superfluid.host.log_records import Deleted, Opened, Parked, Record, SessionState, Tokens, Trimmed, Turn
@@ -94,10 +94,13 @@ class Sessions:
         for record in records:
             log_records.apply(states, record)
 
-    def commit(self, live: Live, tokens: list[int], *records: Record, at: int | None = None) -> None:
+    def commit(self, live: Live, tokens: list[int], *records: Record, at: int | None = None,
+               opens_turn: bool = False) -> None:
         """Append `tokens` to `live` (after `records`): logged before anyone hears of them. `at`:
-        where they start when `records` change the length (a trim)."""
-        self.record(live, *records, Tokens(live.state.id, len(live.state.tokens) if at is None else at, tokens))
+        where they start when `records` change the length (a trim); `opens_turn`: they are the
+        assistant's opening a generation adds (the turn stays open until its closing is logged)."""
+        start = len(live.state.tokens) if at is None else at
+        self.record(live, *records, Tokens(live.state.id, start, tokens, opens_turn=opens_turn))
         live.since_park += len(tokens)
         live.last_used = self.order()
 
@@ -362,21 +365,16 @@ class Sessions:
         self.commit(live, tokens, Turn(live.state.id, "assistant", text, len(live.state.tokens) + len(tokens)))
 
     def close_left_open(self, live: Live) -> bool:
-        """Close the assistant's turn a crash left open (its opening and reply were logged, the
-        record closing it was not): the partial reply becomes the assistant's message, so the
-        conversation goes on (a template that requires alternating roles would refuse every later
-        message otherwise). True if there was one."""
+        """Close the assistant's turn a crash or a refused write left open (a generation's opening
+        and reply were logged, the record closing it was not): the partial reply becomes the
+        assistant's message, so the conversation goes on (a template that requires alternating
+        roles would refuse every later message otherwise). True if there was one. Only a turn a
+        generation opened is closed: tokens a caller appended raw (an assistant's reply begun by
+        the application, say) are its own to go on from."""
         state = live.state
-        if not state.messages or len(state.tokens) <= state.message_ends[-1]:
+        if state.open_turn is None or live.job is not None:
             return False
-        after = state.tokens[state.message_ends[-1]:]
-        try:
-            opening = self.opening(live)
-        except ChatError:
-            return False  # the template cannot open a turn here: whatever follows is no reply
-        if not opening or after[:len(opening)] != opening:
-            return False  # tokens appended raw after the last message, not a reply
-        produced = after[len(opening):]
+        produced = state.tokens[state.open_turn[1]:]
         text = self.engine.detokenize([t for t in produced if t not in self.descriptor.eos_tokens]).decode(
             errors="replace")
         self._close(live, produced, text)

@@ -90,6 +90,25 @@ def test_a_torn_last_record_is_cut_and_the_host_starts(open_host):
     assert again.session(id=s.id).tokens == tokens and again._log.truncated_bytes == 14
 
 
+def test_an_assistant_reply_begun_raw_by_the_application_is_never_closed_as_a_turn_left_open(open_host):
+    # only a turn a generation opened is closed: the application's own opening and words (to
+    # have the model go on from them) stay as they are, at its next command and after a restart
+    host = open_host()
+    session = host.session()
+    session.append_user("Name a colour.")
+    sessions = host.commands.sessions
+    opening = host.call(lambda: sessions.opening(sessions.get(session.id)))
+    begun = [*opening, *host.call(lambda: sessions.engine.tokenize("Sure, ", special=False))]
+    session.append_tokens(begun)
+    session.trim(len(session.tokens))  # an idle command: the host settles what it owes first
+    assert [m["role"] for m in session.messages] == ["user"] and session.tokens[-len(begun):] == begun
+    host.close()
+    again = open_host()
+    resumed = again.session(id=session.id)
+    assert [m["role"] for m in resumed.messages] == ["user"] and resumed.tokens[-len(begun):] == begun
+    assert again.call(lambda: again.commands.sessions.turns_closed) == 0
+
+
 def test_a_turn_a_kill_left_open_is_closed_at_recovery_and_the_conversation_goes_on(open_host, runtime, model_for,
                                                                                       tmp_path):
     name = f"crash-chat-{os.getpid()}-{runtime}"
@@ -137,7 +156,8 @@ def test_recovery_closes_an_open_turn_on_a_template_that_requires_alternating_ro
         def crash_mid_reply():  # what a kill leaves: the opening and three reply tokens, no closing
             sessions = host.commands.sessions
             live = sessions.get(session.id)
-            sessions.commit(live, sessions.opening(live) + [40, 41, 42])
+            sessions.commit(live, sessions.opening(live), opens_turn=True)  # as a generation opens it
+            sessions.commit(live, [40, 41, 42])
 
         host.call(crash_mid_reply)
         host.close()
