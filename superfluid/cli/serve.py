@@ -311,10 +311,10 @@ def api_keys(args: argparse.Namespace) -> ApiKeys | None:
             return ApiKeys.from_file(args.api_keys_file)
         if KEYS_VARIABLE in os.environ:
             return ApiKeys.from_environment(os.environ[KEYS_VARIABLE], KEYS_VARIABLE)
+        _check_api_key(args.api_key)
+        return None if args.api_key is None else ApiKeys.single(args.api_key)
     except KeysError as exc:
         raise UsageError(str(exc)) from None
-    _check_api_key(args.api_key)
-    return None if args.api_key is None else ApiKeys.single(args.api_key)
 
 
 def _check_api_key(key: str | None) -> None:

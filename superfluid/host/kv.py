@@ -186,14 +186,19 @@ class KVManager:
         urgent first: for an interactive arrival those of a less urgent class; for any arrival
         those of its class or a less urgent one still being prefilled with at least SHORT_FACTOR
         times its uncached prompt left; and for an arrival of a tenant below its equal share of the
-        sequences, those of its class or a less urgent one of a tenant above its own (tenants.py)."""
-        job = live.job
+        sequences, those of its class or a less urgent one of a tenant above its own, as many as
+        that tenant holds beyond its share. With several tenants active, a tenant at or above its
+        share never swaps out one at or below its own, by any rule (tenants.py): else two tenants'
+        arrivals could swap each other's lanes out turn by turn."""
+        job, tenant = live.job, live.state.tenant
         mine = self.urgency(live, uncached)
         held = self.tenants.lanes_held(self.lanes) if self.tenants.contended else None
-        victims = {}
+        victims, owed = {}, {}
         for other in self.lanes:
             theirs = other.job
             if theirs is None:
+                continue
+            if held is not None and self.tenants.shields(tenant, other.state.tenant, held, self.max_sequences):
                 continue
             if job.priority == INTERACTIVE and theirs.priority > job.priority:
                 victims[other] = self.unimportance(other)
@@ -201,7 +206,11 @@ class KVManager:
                   and other.pending >= SHORT_FACTOR * max(uncached, 1) and self.urgency(other, other.pending) > mine):
                 victims[other] = self.unimportance(other)
             elif (held is not None and theirs.priority >= job.priority
-                  and self.tenants.owes(live.state.tenant, other.state.tenant, held, self.max_sequences)):
+                  and self.tenants.owes(tenant, other.state.tenant, held, self.max_sequences)):
+                owed.setdefault(other.state.tenant, []).append(other)
+        for holder, lanes in owed.items():  # only what the holder runs beyond its share
+            beyond = held[holder] - self.tenants.share(self.max_sequences)
+            for other in sorted(lanes, key=self.unimportance, reverse=True)[:beyond]:
                 victims[other] = self.unimportance(other)
         return sorted(victims, key=victims.__getitem__, reverse=True)
 

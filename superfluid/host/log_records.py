@@ -113,6 +113,8 @@ class SessionState:
         # a long session's tokens in several records, so none nears the size a reader accepts;
         # an open turn's opening in one of its own, marked as it was
         cuts = set(range(0, len(self.tokens), TOKENS_PER_RECORD)) | set(self.open_turn or ())
+        if self.open_turn is not None:  # never inside the opening: its record is all of it
+            cuts = {cut for cut in cuts if not self.open_turn[0] < cut < self.open_turn[1]}
         bounds = sorted(cut for cut in cuts | {len(self.tokens)} if cut <= len(self.tokens))
         for start, end in zip(bounds, bounds[1:]):
             opens = self.open_turn is not None and start == self.open_turn[0]

@@ -19,6 +19,7 @@ Everything here runs on the scheduler thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -139,10 +140,10 @@ class Sessions:
         """A child session with `parent`'s tokens and messages (its KV is the KV manager's to share)."""
         child_id = self._new_id(child_id, "fork into a new id")
         state = parent.state
-        records = [Opened(child_id, time.time(), state.sampling, state.priority, state.id, state.tenant, state.salt)]
-        records += [Turn(child_id, m["role"], m["content"], end) for m, end in zip(state.messages, state.message_ends)]
-        records.append(Tokens(child_id, 0, list(state.tokens)))
-        self.log.append(*records)
+        # the parent's state as records under the child's id: its tenant, its messages, its tokens
+        # (split as a long session's are, a turn a generation has open still marked open)
+        as_child = dataclasses.replace(state, id=child_id, created=time.time(), parent=state.id, parked=None)
+        self.log.append(*as_child.snapshot())
         child = self.durable[child_id] = Live(self.log.states[child_id])
         self.owned[state.tenant] += 1
         child.last_used, child.idle_since = self.order(), self.clock()

@@ -39,9 +39,15 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
 MAX_SALT = 1024  # characters of a cache_salt
 
 
+RESERVED = "default"  # how keys files and /metrics name the unnamed tenant: no other tenant may take it
+
+
 def check_tenant(name: str) -> str:
     """`name` if it can name a tenant (1-48 letters, digits, `_`, `.`, `-`, starting with a
-    letter or digit; or "" for the unnamed tenant); ValueError saying what it may be otherwise."""
+    letter or digit, other than `default`; or "" for the unnamed tenant); ValueError saying what
+    it may be otherwise."""
+    if name == RESERVED:
+        raise ValueError(f"tenant name {RESERVED!r} names the unnamed tenant; pass \"\" for it, or another name")
     if name == UNNAMED or (isinstance(name, str) and _NAME.fullmatch(name)):
         return name
     raise ValueError(f"tenant name {name!r}: use 1-48 letters, digits, '_', '.' or '-', starting with a letter or "
@@ -101,7 +107,9 @@ class TenantLoad:
         """Whether a generation of `tenant`, which has `waiting_of_tenant` waiting already, may join a
         wait queue that holds `limit` or more: yes while the tenant is below its equal share of it.
         (A queue below its limit takes anyone: the limit is what one tenant may fill alone. Past
-        it, each tenant still gets its share, so the queue holds at most twice its limit.)"""
+        it, each tenant still gets its share, so the queue holds at most its limit and one share
+        per active tenant: twice the limit, or the limit and one per tenant where tenants
+        outnumber it.)"""
         return waiting_of_tenant < self.share(limit, joining=tenant)
 
     @staticmethod
@@ -117,6 +125,15 @@ class TenantLoad:
             return False
         share = self.share(sequences)
         return held[arrival] < share < held[holder]
+
+    def shields(self, arrival: str, holder: str, held: Counter[str], sequences: int) -> bool:
+        """Whether `holder`'s running generations are safe from a waiting generation of tenant
+        `arrival` whatever their classes: `arrival` holds its equal share of the `sequences` or
+        more, and `holder` its share or less."""
+        if not self.contended or arrival == holder:
+            return False
+        share = self.share(sequences)
+        return held[arrival] >= share >= held[holder]
 
     def fair_order(self, waiting: list[Live], urgency: Callable[[Live], tuple], lanes: Iterable[Live],
                    sequences: int) -> list[Live]:

@@ -30,9 +30,9 @@ import stat
 import tomllib
 from pathlib import Path
 
-from superfluid.host.tenants import UNNAMED, check_tenant
+from superfluid.host.tenants import RESERVED, UNNAMED, check_tenant
 
-DEFAULT_TENANT = "default"  # the unnamed tenant's name in a keys file and in /metrics
+DEFAULT_TENANT = RESERVED  # the unnamed tenant's name in a keys file and in /metrics
 
 
 class KeysError(ValueError):
@@ -117,8 +117,15 @@ class ApiKeys:
         tenants: dict[str, list[str]] = {}
         for number, pair in enumerate(text.replace(",", " ").split(), 1):
             name, equals, key = pair.partition("=")
-            if not equals or not name:  # (the entry is not quoted: it may be a key)
+            # (an entry is never quoted in a message: a key given alone would be)
+            if not equals or not key.strip("="):
                 raise KeysError(f"${variable}: entry {number} is not a name=key pair")
+            if name != DEFAULT_TENANT:
+                try:
+                    check_tenant(name)
+                except ValueError:
+                    raise KeysError(f"${variable}: entry {number} does not start with a tenant name (1-48 letters, "
+                                    "digits, '_', '.' or '-') and '='") from None
             tenants.setdefault(name, []).append(key)
         return cls(tenants, f"${variable}")
 

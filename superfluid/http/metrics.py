@@ -6,15 +6,21 @@ Names follow vLLM's where they mean the same (`time_to_first_token_seconds`,
 Every label value comes from a closed set: the route label is a route of the server's table, or
 `other` for any path it does not serve; the tenant label a tenant of the server's keys (`default`
 the unnamed one), so a client cannot add series or break the exposition. Each tenant's series
-(`superfluid_tenant_*`) count what its requests asked and what the host holds for it.
+(`superfluid_tenant_*`) count what its requests asked and what the host holds for it; a tenant
+sees its own only, and the unnamed tenant (the operator's key, or a server without keys or with
+one) sees every tenant's: how much another tenant sends is that tenant's business.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from superfluid.host.tenants import UNNAMED
 from superfluid.http.keys import label
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -84,9 +90,6 @@ class _HostCollector:
         may exist: the server binds its port before the model loads)."""
         for name, kind, help_text, _ in HOST_SERIES:
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
-        for name, kind, help_text, _ in TENANT_SERIES:
-            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
-                                                                                     labels=("tenant",))
 
     def collect(self):
         """The host's series, from the statistics of this scrape (none before a host exists)."""
@@ -95,11 +98,50 @@ class _HostCollector:
         for name, kind, help_text, field in HOST_SERIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"superfluid_{name}", help_text, value=getattr(self.stats, field))
-        for name, kind, help_text, field in TENANT_SERIES:
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
-                                                                                        labels=("tenant",))
+
+
+class _TenantCollector:
+    """Each tenant's series: its requests and tokens (counted here as requests end) and its part of
+    the host (from the scrape's statistics); of the scrape's `viewer` only, unless it is the
+    unnamed tenant (None: every tenant's, before a key was checked: never answered)."""
+
+    def __init__(self) -> None:
+        self.requests: Tally[tuple[str, str]] = Tally()  # (tenant, status) -> requests
+        self.tokens: Tally[tuple[str, str]] = Tally()  # (tenant, kind) -> tokens
+        self.lock = threading.Lock()  # requests end on the event loop, counted while a scrape may read
+        self.stats = None  # set by Metrics.exposition for the scrape it answers, with the viewer
+        self.viewer: str | None = None
+
+    def describe(self):
+        """The series without values."""
+        yield CounterMetricFamily("superfluid_tenant_requests", "HTTP requests by tenant and status (those whose "
+                                  "key was accepted).", labels=("tenant", "status"))
+        yield CounterMetricFamily("superfluid_tenant_tokens", "Tokens of a tenant's generations: prompt (of which "
+                                  "cached: taken from cache) and completion.", labels=("tenant", "kind"))
+        for name, kind, help_text, _ in TENANT_SERIES:
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
+                                                                                     labels=("tenant",))
+
+    def _shown(self, tenant: str) -> bool:
+        return self.viewer == UNNAMED or tenant == self.viewer
+
+    def collect(self):
+        """The series the viewer may see."""
+        families = list(self.describe())
+        with self.lock:
+            for (tenant, status), count in sorted(self.requests.items()):
+                if self._shown(tenant):
+                    families[0].add_metric((label(tenant), status), count)
+            for (tenant, kind), count in sorted(self.tokens.items()):
+                if self._shown(tenant):
+                    families[1].add_metric((label(tenant), kind), count)
+        yield from families[:2]
+        if self.stats is None:
+            return
+        for family, (_, _, _, field) in zip(families[2:], TENANT_SERIES):
             for tenant, part in self.stats.tenants.items():
-                family.add_metric((label(tenant),), getattr(part, field))
+                if self._shown(tenant):
+                    family.add_metric((label(tenant),), getattr(part, field))
             yield family
 
 
@@ -121,16 +163,13 @@ class Metrics:
         self.latency_seconds = Histogram("superfluid_e2e_request_latency_seconds",
                                          "Seconds from a generating request's arrival to its last byte.",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tenant_requests = Counter("superfluid_tenant_requests", "HTTP requests by tenant and status (those "
-                                       "whose key was accepted).", ("tenant", "status"), registry=self.registry)
-        self.tenant_tokens = Counter("superfluid_tenant_tokens", "Tokens of a tenant's generations: prompt (of "
-                                     "which cached: taken from cache) and completion.", ("tenant", "kind"),
-                                     registry=self.registry)
         self.stalled_clients = Counter("superfluid_stalled_clients", "Responses cut because their client read "
                                        "nothing for the send deadline (serve's --send-timeout).",
                                        registry=self.registry)
         self._host = _HostCollector()
         self.registry.register(self._host)
+        self._tenants = _TenantCollector()
+        self.registry.register(self._tenants)
 
     def route_label(self, route: str) -> str:
         """The route label for a request's route: itself if the server serves it, else `other`."""
@@ -140,16 +179,17 @@ class Metrics:
         """Count one answered request (and its tenant's, once its key was accepted)."""
         self.requests.labels(self.route_label(route), str(status)).inc()
         if tenant is not None:
-            self.tenant_requests.labels(label(tenant), str(status)).inc()
+            with self._tenants.lock:
+                self._tenants.requests[tenant, str(status)] += 1
 
     def tokens(self, tenant: str | None, prompt: int, cached: int, completion: int) -> None:
         """Count the tokens of one of `tenant`'s generations."""
         if tenant is None:
             return
-        name = label(tenant)
-        for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
-            if count:
-                self.tenant_tokens.labels(name, kind).inc(count)
+        with self._tenants.lock:
+            for kind, count in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+                if count:
+                    self._tenants.tokens[tenant, kind] += count
 
     def first_token(self, seconds: float) -> None:
         """Record a request's time to first token."""
@@ -167,12 +207,14 @@ class Metrics:
         """Record a generating request's whole time."""
         self.latency_seconds.observe(seconds)
 
-    def exposition(self, stats=None) -> bytes:
+    def exposition(self, stats=None, viewer: str = UNNAMED) -> bytes:
         """The Prometheus text of everything, the host's series from `stats` (its HostStats, read
-        for this scrape); CONTENT_TYPE says the format's version. Called on one thread at a time
-        (the server's event loop): the statistics are held for the length of the call."""
-        self._host.stats = stats
+        for this scrape), the tenants' those `viewer` may see; CONTENT_TYPE says the format's
+        version. Called on one thread at a time (the server's event loop): the statistics are
+        held for the length of the call."""
+        self._host.stats = self._tenants.stats = stats
+        self._tenants.viewer = viewer
         try:
             return generate_latest(self.registry)
         finally:
-            self._host.stats = None
+            self._host.stats = self._tenants.stats = None

@@ -205,16 +205,16 @@ def test_a_turn_a_generation_opened_stays_marked_open_through_compaction_until_a
 
     monkeypatch.setattr(log_records, "TOKENS_PER_RECORD", 4)  # the opening falls inside a split
     log = SessionLog(tmp_path)
-    log.append(Opened("s", 1.0, Sampling(), "default"), Turn("s", "user", "hi", 6), Tokens("s", 0, [1, 2, 3, 4, 5, 6]))
-    log.append(Tokens("s", 6, [7, 8], opens_turn=True), Tokens("s", 8, [9, 10, 11]))
-    assert log.states["s"].open_turn == (6, 8)
+    log.append(Opened("s", 1.0, Sampling(), "default"), Turn("s", "user", "hi", 3), Tokens("s", 0, [1, 2, 3]))
+    log.append(Tokens("s", 3, [4, 5, 6], opens_turn=True), Tokens("s", 6, [7, 8, 9, 10, 11]))
+    assert log.states["s"].open_turn == (3, 6)  # across the split at 4
     log.compact()
     log.close()
     again = SessionLog(tmp_path)
     state = again.states["s"]
-    assert state.open_turn == (6, 8) and state.tokens == list(range(1, 12))
+    assert state.open_turn == (3, 6) and state.tokens == list(range(1, 12))
     again.append(Trimmed("s", 9))
-    assert again.states["s"].open_turn == (6, 8)  # a cut into the reply leaves the turn open
+    assert again.states["s"].open_turn == (3, 6)  # a cut into the reply leaves the turn open
     again.append(Turn("s", "assistant", "ok", 9))
     assert again.states["s"].open_turn is None
     again.append(Tokens("s", 9, [12, 13], opens_turn=True), Trimmed("s", 10))

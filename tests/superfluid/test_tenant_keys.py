@@ -42,7 +42,8 @@ def cached(client, model, **extra):
 
 @pytest.fixture
 def two_tenants(tiny_models, tmp_path):
-    path = keys_file(tmp_path / "keys.toml", {"alice": [KEYS["alice"]], "bob": [KEYS["bob"], KEYS["bob2"]]})
+    path = keys_file(tmp_path / "keys.toml", {"alice": [KEYS["alice"]], "bob": [KEYS["bob"], KEYS["bob2"]],
+                                              "default": [KEYS["default"]]})
     server = Served(tiny_models["f32"].gguf, tmp_path, "--api-keys-file", str(path))
     yield server
     assert server.stop() == 0
@@ -66,6 +67,8 @@ def test_a_tenants_sessions_do_not_exist_for_another_tenant(two_tenants):
         assert theirs["error"]["message"].replace(session, "ID") == nobodys["error"]["message"].replace(
             "no-such-session", "ID")
     assert call(server, KEYS["bob"], "GET", "/v1/sessions")[1]["data"] == []
+    operator = server.raw("GET", "/metrics", headers={"Authorization": f"Bearer {KEYS['default']}"})[1].decode()
+    assert 'superfluid_tenant_sessions{tenant="alice"} 1.0' in operator
     assert [s["id"] for s in call(server, KEYS["alice"], "GET", "/v1/sessions")[1]["data"]] == [session]
     assert call(server, KEYS["alice"], "POST", f"/v1/sessions/{session}/generate", {"max_tokens": 1})[0] == 200
     # bob's second key is bob's: a key rotated keeps its tenant's sessions
@@ -88,7 +91,11 @@ def test_cached_prompts_are_shared_within_a_tenant_and_a_cache_salt_only(two_ten
     text = server.raw("GET", "/metrics", headers={"Authorization": f"Bearer {KEYS['alice']}"})[1].decode()
     assert 'superfluid_tenant_requests_total{status="200",tenant="alice"} 4.0' in text
     assert 'superfluid_tenant_requests_total{status="400",tenant="alice"} 1.0' in text
+    assert 'tenant="bob"' not in text  # a tenant sees its own series only
+    # the operator's key (the unnamed tenant's) sees every tenant's
+    text = server.raw("GET", "/metrics", headers={"Authorization": f"Bearer {KEYS['default']}"})[1].decode()
     assert 'superfluid_tenant_requests_total{status="200",tenant="bob"} 2.0' in text
+    assert 'superfluid_tenant_requests_total{status="200",tenant="alice"} 5.0' in text  # and her scrape
     completion = [line for line in text.splitlines()
                   if line.startswith('superfluid_tenant_tokens_total{kind="completion",tenant="bob"}')]
     assert completion and 0 < float(completion[0].split()[1]) <= 4
@@ -163,9 +170,11 @@ def test_keys_files_of_other_shapes_and_environment_pairs_are_refused_without_ec
     link.symlink_to(keys_file(tmp_path / "real.toml", {"alice": ["sk-1"]}))
     with pytest.raises(KeysError, match="link"):
         ApiKeys.from_file(link)
-    with pytest.raises(KeysError, match="entry 2 is not a name=key pair") as refused:
-        ApiKeys.from_environment("alice=sk-1 sk-secret-without-a-name", "SUPERFLUID_API_KEYS")
-    assert "sk-secret" not in str(refused.value)
+    for text, number in (("alice=sk-1 sk-secret-without-a-name", 2), ("c2stc2VjcmV0==", 1), ("sk/secret+1==", 1)):
+        # (a base64 key alone ends in '=': neither it nor a part of it may become a tenant or a message)
+        with pytest.raises(KeysError, match=f"entry {number} ") as refused:
+            ApiKeys.from_environment(text, "SUPERFLUID_API_KEYS")
+        assert "secret" not in str(refused.value) and "c2st" not in str(refused.value)
     keys = ApiKeys.from_environment("alice=sk-1,default=sk-2", "SUPERFLUID_API_KEYS")
     assert (keys.tenant_of("sk-1"), keys.tenant_of("sk-2"), keys.tenant_of("sk-3")) == ("alice", "", None)
 

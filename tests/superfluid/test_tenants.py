@@ -36,7 +36,9 @@ def test_a_session_of_one_tenant_does_not_exist_for_another(open_host):
     as_bob = type(alice)(host, alice.id, "bob")  # bob holding alice's id, as a guessing client would
     never_made = type(alice)(host, "no-such-session", "bob")
     for act in (lambda s: s.info(), lambda s: s.tokens, lambda s: s.append_text("x"), lambda s: s.fork(),
-                lambda s: s.generate(max_tokens=1), lambda s: s.trim(0), lambda s: s.pin(), lambda s: s.messages):
+                lambda s: s.generate(max_tokens=1), lambda s: s.trim(0), lambda s: s.pin(), lambda s: s.messages,
+                lambda s: s.unpin(), lambda s: s.append_tokens([1]), lambda s: s.append_user("x"),
+                lambda s: s.complete(max_tokens=1), lambda s: host.retire(s.id, tenant=s.tenant)):
         with pytest.raises(SessionNotFound) as theirs:
             act(as_bob)
         with pytest.raises(SessionNotFound) as nobodys:
@@ -59,9 +61,9 @@ def test_tenant_names_that_any_key_file_and_metrics_label_can_carry(name):
     assert check_tenant(name) == name
 
 
-@pytest.mark.parametrize("name", ["-alice", "a b", "a/b", "A" * 49, "é", None])
+@pytest.mark.parametrize("name", ["-alice", "a b", "a/b", "A" * 49, "é", None, "default"])
 def test_a_tenant_name_that_could_not_be_carried_everywhere_is_refused(name):
-    with pytest.raises(ValueError, match="letters, digits"):
+    with pytest.raises(ValueError, match="letters, digits|names the unnamed tenant"):
         check_tenant(name)
 
 
@@ -224,6 +226,18 @@ def test_admission_puts_generations_within_each_tenants_share_of_the_sequences_f
     assert order == [waiting[3], waiting[0], waiting[1], waiting[2], waiting[4]]
     assert load.owes("bob", "alice", TenantLoad.lanes_held(running + [_Lane("alice")]), sequences=6)
     assert not load.owes("bob", "alice", TenantLoad.lanes_held(running), sequences=6)  # alice holds only her share
+
+
+def test_a_tenant_at_its_share_is_never_swapped_out_by_a_tenant_at_or_above_its_own():
+    # else a short arrival of the tenant above its share swaps out the other's long prompt, which
+    # then swaps out one of the first's, and so on at every tick
+    load = TenantLoad()
+    for tenant in ("alice", "bob"):
+        load.started(tenant)
+    held = TenantLoad.lanes_held([_Lane("alice"), _Lane("alice"), _Lane("alice"), _Lane("bob")])
+    assert load.shields("alice", "bob", held, sequences=4)  # alice holds 3 of 4: bob's one is safe
+    assert not load.shields("bob", "alice", held, sequences=4)
+    assert not load.shields("alice", "alice", held, sequences=4)
 
 
 def test_with_one_tenant_active_admission_is_by_urgency_alone():
