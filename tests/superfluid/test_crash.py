@@ -169,3 +169,21 @@ def test_recovery_closes_an_open_turn_on_a_template_that_requires_alternating_ro
         host.close()
     finally:
         remove_segment(pool)
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])  # the log's records, not the engine
+def test_a_fork_of_a_session_mid_reply_keeps_the_turn_open_and_closes_it_at_its_first_command(open_host):
+    host = open_host()
+    parent = host.session()
+    parent.append_user("Hello")
+    sessions = host.commands.sessions
+
+    def mid_reply():  # what a generation has written three tokens into its reply
+        live = sessions.get(parent.id)
+        sessions.commit(live, sessions.opening(live), opens_turn=True)
+        sessions.commit(live, [40, 41, 42])
+
+    host.call(mid_reply)
+    child = parent.fork()
+    child.append_user("Go on")
+    assert [m["role"] for m in child.messages] == ["user", "assistant", "user"]
