@@ -154,6 +154,16 @@ class StepRequest(NamedTuple):
     logits: str = "last"  # "last", "all" or "none"
 
 
+class TokenVocabulary(NamedTuple):
+    """What a grammar engine reads of a model's tokens to tell which continue a grammar: either
+    each token's bytes in id order, a control token's (an end of turn, a role marker) as
+    b"\xff" followed by its text, so that no grammar can spell it; or the model's tokenizer as the
+    Hugging Face `tokenizers` library serializes it (tokenizer.json), which says the same."""
+
+    pieces: tuple[bytes, ...] | None = None
+    tokenizer_json: str | None = None
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """A model's text to token ids and back, safe from any thread: it never touches the engine's
@@ -165,6 +175,9 @@ class Tokenizer(Protocol):
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """The bytes of `tokens`."""
+
+    def vocabulary(self) -> TokenVocabulary:
+        """Every token as a grammar engine reads it (for constrained generation)."""
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest
+from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest, TokenVocabulary
 from engines.errors import EngineError, NoRoom
 from kvpool import Device, EntryView, KVArray, pricing
 
@@ -68,6 +68,10 @@ class CellEngine:
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         """One letter per token."""
         return bytes(ord("a") + t % 26 for t in tokens)
+
+    def vocabulary(self) -> TokenVocabulary:
+        """Each token's letter, as detokenize spells it."""
+        return TokenVocabulary(pieces=tuple(self.detokenize([t]) for t in range(self.vocab)))
 
     def tokenizer(self) -> CellEngine:
         """Itself: its text methods touch no cells, so they are safe from any thread."""

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from engines.base import TokenVocabulary
 from engines.errors import EngineError
 
 
@@ -62,6 +63,23 @@ class LlamaTokenizer:
                     n = self._api.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
             piece = self._pieces[token] = buffer.raw[:n]
         return piece
+
+    def vocabulary(self) -> TokenVocabulary:
+        """Every token's bytes; a control token's (and a user-defined one written like one, as
+        `<|...|>`) marked with a leading 0xff, so that a grammar's text never spells it."""
+        api, pieces = self._api, []
+        kind_of = getattr(api, "llama_vocab_get_attr", None) or api.llama_token_get_attr  # (older releases' name)
+        with self._call() as vocab:
+            buffer = ctypes.create_string_buffer(1 << 14)
+            for token in range(self._n_vocab):
+                n = api.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+                piece = buffer.raw[:max(n, 0)]
+                kind = kind_of(vocab, token)
+                if kind & api.LLAMA_TOKEN_ATTR_CONTROL or (kind & api.LLAMA_TOKEN_ATTR_USER_DEFINED
+                                                          and piece.startswith(b"<") and piece.endswith(b">")):
+                    piece = b"\xff" + piece
+                pieces.append(piece)
+        return TokenVocabulary(pieces=tuple(pieces))
 
     def close(self, free_model) -> None:
         """Call `free_model` once no tokenization is running; any later one raises EngineError."""

@@ -372,3 +372,16 @@ def test_the_tokenizer_answers_any_thread(mlx_engine):
     tokens = mlx_engine.tokenize(text)
     elsewhere = in_threads(lambda _: (tokenizer.tokenize(text), tokenizer.detokenize(tokens)), 4)
     assert elsewhere == [(tokens, text.encode())] * 4
+
+
+@pytest.mark.parametrize("text", ["日本", "café ☕", "naïve 🙂"])
+def test_each_token_is_its_exact_bytes_so_a_character_split_across_tokens_streams_whole(mlx_engine, engine_for,
+                                                                                      text):
+    # a byte-level BPE spells a character missing from its merges in one token per byte; each
+    # token alone used to come out as U+FFFD (decoded to text alone), so a reply streamed "���"
+    tokenizer = mlx_engine.tokenizer()
+    tokens = tokenizer.tokenize(text, special=False)
+    pieces = [tokenizer.detokenize([t]) for t in tokens]
+    assert b"".join(pieces) == text.encode() and any(len(p) == 1 and p[0] >= 0x80 for p in pieces)
+    llama = engine_for("f32").tokenizer()  # the same vocabulary through llama.cpp
+    assert pieces == [llama.detokenize([t]) for t in tokens]
