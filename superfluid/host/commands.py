@@ -140,7 +140,8 @@ class Commands:
         job = Job(generation, request, request.settings(live.state.sampling),
                   request.priority if request.priority is not None else Priority.named(live.state.priority),
                   TextStream(list(request.stop)), None if request.timeout is None else now + request.timeout,
-                  self.scheduler.next_order(), now, self.scheduler.fed, first=len(tokens), opened_at=opened_at)
+                  self.scheduler.next_order(), now, self.scheduler.fed, first=len(tokens), opened_at=opened_at,
+                  matching=None if request.constraint is None else request.constraint.start())
         self.scheduler.enqueue(live, job)
         return generation
 

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engines import models, registry
-from engines.base import Descriptor, Engine
+from engines.base import Descriptor, Engine, TokenVocabulary
 from engines.errors import ModelLoadError
 from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, segment
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
+from superfluid.host.constraints import ConstraintError, Grammars
 from superfluid.host.engine_thread import EngineThread
 from superfluid.host.errors import HostClosed, TooManyMessages
 from superfluid.host.interruption import Arrival
@@ -127,6 +128,10 @@ class Host:
         engine = self._scheduler.engine
         self._tokenizes_anywhere = callable(getattr(engine, "tokenizer", None))
         self.prompts = PromptBuilder(self.descriptor, engine.tokenizer() if self._tokenizes_anywhere else engine)
+        text = engine.tokenizer() if self._tokenizes_anywhere else engine
+        # constraints are compiled on the callers' threads, against the tokenizer's vocabulary
+        self.grammars = Grammars(lambda: _vocabulary_of(text), lambda s: text.tokenize(s, special=False),
+                                 self.descriptor.eos_tokens, self.descriptor.vocab_size)
         try:
             self.call(self.commands.recover)
         except BaseException:
@@ -275,6 +280,15 @@ class Host:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _vocabulary_of(tokenizer: Any) -> TokenVocabulary:
+    """The tokenizer's vocabulary for a grammar engine; ConstraintError for an adapter without one."""
+    vocabulary = getattr(tokenizer, "vocabulary", None)
+    if vocabulary is None:
+        raise ConstraintError("this engine's tokenizer does not give its vocabulary (Tokenizer.vocabulary): "
+                              "it cannot constrain a generation")
+    return vocabulary()
 
 
 def _policy(**settings: Any) -> Policy:

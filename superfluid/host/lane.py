@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from superfluid.host import sampling as sampler
+from superfluid.host.constraints import Matching
 from superfluid.host.log_records import SessionState
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.session import Generation
@@ -56,6 +57,7 @@ class Job:
     started: bool = False  # admitted at least once (prompt counters set, the client told)
     admitted: int = 0  # the clock when it last got a lane: the most recently started is preempted first
     reserved_to: int = 0  # the position up to which its cells were reserved at admission
+    matching: Matching | None = None  # its place in its constraint's grammar (constraints.py), if constrained
 
 
 @dataclass(eq=False)

@@ -69,6 +69,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     priority: Priority | None = None
     logprobs: int | None = None  # alternatives each piece's logprobs list (None: no logprobs)
     streamed: bool = True
+    constraint: Any = None  # a constraints.Compiled the output must match (compiled by the caller), or None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

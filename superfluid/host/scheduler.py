@@ -35,6 +35,7 @@ from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
+from superfluid.host.constraints import ConstraintError, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
@@ -502,8 +503,11 @@ class Scheduler:
             job.generation.logits.append(logits.copy())
         position = len(state.tokens)
         try:
-            token = sampler.sample(logits, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
-        except sampler.SamplingError as exc:  # nothing to sample from: this generation ends, the others go on
+            drawn_from = logits if job.matching is None else constrained(logits, job.matching)
+            token = sampler.sample(drawn_from, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
+            if job.matching is not None:
+                job.matching.advance(token)
+        except (sampler.SamplingError, ConstraintError) as exc:  # this generation ends, the others go on
             self.finish(live, "error", exc)
             return
         self.sessions.commit(live, [token])
@@ -513,7 +517,7 @@ class Scheduler:
         scored = None if request.logprobs is None else sampler.logprobs(
             logits, token, request.logprobs, lambda t: self.engine.detokenize([t]))
         self._deliver(job.generation, Piece(text, token, scored))
-        if end_of_turn or job.stream.stopped is not None:
+        if end_of_turn or job.stream.stopped is not None or (job.matching is not None and job.matching.finished):
             self.finish(live, "stop")
         elif job.produced >= request.max_tokens:
             self.finish(live, "length")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
+from superfluid.host.constraints import Constraint
 from superfluid.host.errors import HostClosed
 from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import TokenLogprobs
@@ -243,7 +244,8 @@ class Session:
 
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
-                 logprobs: int | None = None, **sampling) -> Generation:
+                 logprobs: int | None = None, constraint: Constraint | None = None,
+                 json_schema: dict | None = None, **sampling) -> Generation:
         """Start generating (SessionBusy if this session already is; Overloaded if the host's wait
         queue is full); iterate the result for pieces. It starts when the engine has the cells
         for it. `sampling` overrides the session's defaults for this generation only;
@@ -251,22 +253,33 @@ class Session:
         `Generation.logits`; `ignore_eos` goes on past end-of-turn tokens (for fixed-length
         runs); `priority` ("interactive", "default", "background") overrides the session's;
         `logprobs` (0 to 20) gives each piece its token's log-probability and that many of the
-        most likely alternatives (`Piece.logprobs`). A bad value is refused here, with ValueError
-        naming it, before anything reaches the host."""
+        most likely alternatives (`Piece.logprobs`); `constraint` (a Constraint: a JSON schema, a
+        regex, choices, a grammar) or `json_schema` (a schema, as a dict) keeps the output within
+        it (superfluid/host/constraints.py), compiled here, on the calling thread. A bad value is
+        refused here, with ValueError (ConstraintError for a constraint) naming it, before
+        anything reaches the host."""
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, constraint=self._compiled(constraint, json_schema))
         return self._call(self._host.commands.generate, request)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
-                 **sampling) -> str:
+                 constraint: Constraint | None = None, json_schema: dict | None = None, **sampling) -> str:
         """generate(), collected into its text. Nobody reads its tokens one by one, so the steps
         it decodes in are bounded by the first-token target alone (GenerateRequest.streamed)."""
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
-                                     streamed=False)
+                                     streamed=False, constraint=self._compiled(constraint, json_schema))
         return self._call(self._host.commands.generate, request).collect()
+
+    def _compiled(self, constraint: Constraint | None, json_schema: dict | None):
+        """The constraint asked for, compiled against the host's model (None: none asked)."""
+        if constraint is not None and json_schema is not None:
+            raise ValueError("give `constraint` or `json_schema`, not both")
+        if json_schema is not None:
+            constraint = Constraint.json_schema(json_schema)
+        return None if constraint is None else self._host.grammars.compile(constraint)
 
     def fork(self) -> Session:
         """A new session with this one's tokens and messages, sharing its KV (no KV bytes copied)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from superfluid.host.constraints import ConstraintError
 from superfluid.host.log import LogWriteFailed
 from superfluid.http import api
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, Overloaded, PinLimit,
@@ -32,6 +33,7 @@ HTTP_ERRORS: dict[type[BaseException], HttpError] = {
     EmptySession: HttpError(400, "invalid_request_error", "empty_session"),
     TooManyMessages: HttpError(400, "invalid_request_error", "too_many_messages"),
     TooManySessions: HttpError(429, "rate_limit_error", "too_many_sessions"),
+    ConstraintError: HttpError(400, "invalid_request_error", "invalid_constraint"),
     # before any byte of a response: the client may retry (Retry-After says when)
     Overloaded: HttpError(503, "server_error", "overloaded"),
     HostClosed: HttpError(503, "server_error", "shutting_down"),

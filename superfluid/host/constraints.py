@@ -1,0 +1,247 @@
+"""Constrained generation: a generation's output kept within a JSON schema, a regular expression,
+a list of choices or a grammar, by a mask over the logits before each token is sampled.
+
+The mask comes from llguidance (chosen over xgrammar: benchmarks/grammar_engines.py): a grammar
+is compiled once against the model's vocabulary and each generation walks its own copy of the
+compiled matcher, token by token. So:
+
+- **Compiling is the caller's** (`Grammars.compile`, on the thread that asks: the server's worker
+  threads, an application's own), never the scheduler thread's; compiled grammars are kept (a
+  small LRU, hits and misses counted), so a schema seen before costs a copy of its matcher.
+- **A generation's place in its grammar is a function of the tokens it committed** since it
+  began: a preempted, parked or resumed generation goes on from where it was, since its matcher
+  goes with its job, and a fork starts no generation of its own.
+- **Only tokens the grammar allows are drawn.** The sampler sees every other token's logit at
+  minus infinity, after the model's raw logits are kept for logprobs (which report what the model
+  thought, as without a constraint). End-of-generation tokens are allowed only where the grammar
+  may end; once it cannot go on, the generation stops.
+- **JSON whitespace is bounded**: outside strings, a JSON constraint allows no whitespace at all
+  (compact JSON: `{"a":1,"b":[2,3]}`), so a small model cannot fill `max_tokens` with spaces; a
+  schema's own `x-guidance` options cannot turn that off.
+
+Errors: a schema or grammar that does not compile, or is past MAX_SOURCE, is a ConstraintError
+before anything is queued; a generation whose grammar allows no next token ends with one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import llguidance
+import msgspec
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from engines.base import TokenVocabulary
+from superfluid.host.errors import SuperfluidError
+
+MAX_SOURCE = 256 * 1024  # bytes of a schema or grammar as given (a real one is a few KiB)
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
+# JSON as the constraint writes it: compact, no free whitespace (llguidance's options, applied over
+# whatever a schema's own "x-guidance" says)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class ConstraintError(SuperfluidError, ValueError):
+    """A constraint that cannot be compiled or is past a limit (the message names which), or a
+    generation whose constraint left no token possible."""
+
+
+class Constraint(msgspec.Struct, frozen=True):
+    """What a generation's output must match: `kind` (one of KINDS) and its `source` (a schema as
+    JSON text, a regular expression, the choices as a JSON list, a Lark or GBNF grammar)."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConstraintError(f"constraint kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        if not isinstance(self.source, str):
+            raise ConstraintError(f"a {self.kind} constraint's source must be text")
+        if len(self.source.encode()) > MAX_SOURCE:
+            raise ConstraintError(f"the {self.kind} is {len(self.source.encode()):,} bytes; at most {MAX_SOURCE:,} are "
+                                  "compiled: give a smaller one")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> Constraint:
+        """Output that is one JSON value valid under `schema` (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError("a JSON schema is an object (or true / false)")
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))  # (its key order is the output's)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Output that is one JSON object, of any content."""
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        """Output that matches `pattern` whole."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        """Output that is exactly one of `options`."""
+        if isinstance(options, str) or not options or not all(isinstance(o, str) and o for o in options):
+            raise ConstraintError("choices must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def lark(cls, grammar: str) -> Constraint:
+        """Output in the language of a Lark grammar (llguidance's dialect; `start` is its rule)."""
+        return cls("lark", grammar)
+
+    @classmethod
+    def gbnf(cls, grammar: str) -> Constraint:
+        """Output in the language of a GBNF grammar, as llama.cpp writes them (`root` is its rule)."""
+        return cls("gbnf", grammar)
+
+    def grammar(self) -> str:
+        """The constraint as llguidance's grammar text (ConstraintError where it cannot be one)."""
+        try:
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(json.loads(self.source), overrides=JSON_OPTIONS)
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if self.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.source)
+            if self.kind == "choice":
+                alternatives = " | ".join(json.dumps(option) for option in json.loads(self.source))
+                return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            if self.kind == "lark":
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
+            return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(self.source))
+        except Exception as exc:  # noqa: BLE001 - the converters raise bare Exceptions for a bad grammar
+            raise ConstraintError(f"the {self.kind} cannot be read: {exc}") from None
+
+
+class Compiled:
+    """A constraint compiled against one model's vocabulary: each generation walks a copy."""
+
+    def __init__(self, constraint: Constraint, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.constraint, self._pristine, self.vocab_size = constraint, matcher, vocab_size
+
+    def start(self) -> Matching:
+        """A generation's own walk through the grammar, at its start."""
+        return Matching(self._pristine.deep_copy(), self.vocab_size)
+
+
+class Matching:
+    """One generation's place in its grammar: which tokens may come next, and the tokens taken."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher, self.vocab_size = matcher, vocab_size
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # llguidance's bitmask layout
+
+    def allowed(self) -> np.ndarray:
+        """Which tokens may come next, as a bool per token id (none: the grammar is stuck)."""
+        words = self._words
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        return np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+
+    def advance(self, token: int) -> None:
+        """Take `token` (one `allowed` said may come); ConstraintError if the grammar refuses it."""
+        if not self._matcher.consume_token(token):
+            raise ConstraintError(f"the constraint refused token {token}: {self._matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """True once the grammar can take no other token than an end of generation."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        """What stopped the grammar, if an error did ("" otherwise)."""
+        return self._matcher.get_error()
+
+
+def constrained(logits: np.ndarray, matching: Matching) -> np.ndarray:
+    """`logits` with every token `matching` does not allow next at minus infinity (a new array:
+    the model's own logits stay as they were, for logprobs); ConstraintError when none is allowed."""
+    allowed = matching.allowed()
+    if not allowed.any():
+        raise ConstraintError("the constraint allows no next token here"
+                              + (f" ({matching.error})" if matching.error else "") + ": the output so far is kept")
+    if len(allowed) < len(logits):  # rows padded past the vocabulary: never allowed
+        allowed = np.concatenate([allowed, np.zeros(len(logits) - len(allowed), dtype=bool)])
+    return np.where(allowed[:len(logits)], logits, -np.inf)
+
+
+class Grammars:
+    """One model's compiled constraints (safe from any thread): the grammar engine's view of its
+    vocabulary, made on first use, and the last `capacity` constraints compiled against it."""
+
+    def __init__(self, vocabulary: Callable[[], TokenVocabulary], tokenize: Callable[[str], list[int]],
+                 end_tokens: Sequence[int], vocab_size: int, capacity: int = 64) -> None:
+        """`vocabulary`: the tokenizer's (asked once, when the first constraint is compiled);
+        `tokenize`: text to ids without special tokens; `end_tokens`: what ends a generation;
+        `vocab_size`: the length of the logits rows."""
+        self._vocabulary, self._tokenize = vocabulary, tokenize
+        self.end_tokens, self.vocab_size, self.capacity = tuple(end_tokens), vocab_size, capacity
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[Constraint, Compiled] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        """`constraint` compiled (from the cache when it was before); ConstraintError naming what
+        is wrong with it."""
+        with self._lock:
+            found = self._compiled.get(constraint)
+            if found is not None:
+                self._compiled.move_to_end(constraint)
+                self.hits += 1
+                return found
+            self.misses += 1
+            tokenizer = self._tokenizer_view()
+        grammar = constraint.grammar()  # outside the lock: a long grammar does not hold up the others
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if failed:
+            raise ConstraintError(f"the {constraint.kind} does not compile: {messages[0]}")
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"the {constraint.kind} does not compile: {matcher.get_error()}")
+        compiled = Compiled(constraint, matcher, self.vocab_size)
+        with self._lock:
+            self._compiled[constraint] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _tokenizer_view(self) -> llguidance.LLTokenizer:
+        # (under the lock: made once; it reads the whole vocabulary, 0.3-2.5 s on the models here)
+        if self._tokenizer is None:
+            vocabulary = self._vocabulary()
+            ends = list(self.end_tokens)
+            if vocabulary.tokenizer_json is not None:
+                self._tokenizer = llguidance.LLTokenizer(vocabulary.tokenizer_json, n_vocab=self.vocab_size,
+                                                         eos_token=ends)
+            else:
+                self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Pieces(vocabulary.pieces, ends,
+                                                                                             self._tokenize)),
+                                                         n_vocab=self.vocab_size, eos_token=ends)
+        return self._tokenizer
+
+
+class _Pieces:
+    """A vocabulary given as each token's bytes, in the shape llguidance's TokenizerWrapper reads."""
+
+    def __init__(self, pieces: Sequence[bytes], ends: list[int], tokenize: Callable[[str], list[int]]) -> None:
+        self.tokens = list(pieces)
+        self.eos_token_id = ends[0] if ends else None
+        self.bos_token_id = None
+        self.special_token_ids = [i for i, piece in enumerate(self.tokens) if piece.startswith(b"\xff")]
+        self._tokenize = tokenize
+
+    def __call__(self, text: Any) -> list[int]:
+        return self._tokenize(text.decode(errors="replace") if isinstance(text, bytes) else text)

@@ -1,0 +1,140 @@
+"""Constrained generation in the Host, on both runtimes: a tiny model of random weights, whose every
+unconstrained output is noise, writes only what each constraint accepts (each JSON output checked
+with a JSON Schema validator); compile errors come before anything is queued; compiled grammars
+are cached; a constrained generation swapped out and back in goes on exactly as it would have."""
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from superfluid.host.constraints import Constraint, ConstraintError, constrained
+from tests.gate import Gate, decode_steps_of
+
+# Bounded everywhere (string lengths, array sizes), so that every output fits max_tokens: an
+# output cut by length is a failure here, not a pass.
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Rome"]},
+                                      "temp": {"type": "number", "minimum": -50, "maximum": 60},
+                                      "rain": {"type": "boolean"}},
+     "required": ["city", "temp", "rain"], "additionalProperties": False},
+    {"type": "array", "minItems": 1, "maxItems": 3,
+     "items": {"type": "object", "required": ["id", "tags"], "additionalProperties": False, "properties": {
+         "id": {"type": "integer", "minimum": 0, "maximum": 99},
+         "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 5}}}}},
+    {"type": "object", "required": ["zip", "kind"], "additionalProperties": False, "properties": {
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "kind": {"anyOf": [{"enum": ["home", "work"]}, {"type": "null"}]},
+        "note": {"type": "string", "maxLength": 8}}},
+]
+
+
+def constrained_host(open_host, runtime):
+    host = open_host()
+    session = host.session(temperature=1.0, seed=7)
+    session.append_text("The data:")
+    return host, session
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "weather", "items", "address"])
+def test_a_random_model_writes_only_json_its_schema_accepts(open_host, runtime, schema):
+    host, session = constrained_host(open_host, runtime)
+    for seed in range(3):
+        probe = session.fork()
+        generation = probe.generate(max_tokens=160, json_schema=schema, temperature=1.0, seed=seed)
+        text = generation.collect()
+        assert generation.finish_reason == "stop", (text, generation.finish_reason)
+        jsonschema.validate(json.loads(text), schema)
+        assert " " not in text.replace('" "', "").split('"')[0]  # no free whitespace before the first string
+
+
+def test_choices_regexes_and_grammars_hold_on_a_random_model(open_host, runtime):
+    host, session = constrained_host(open_host, runtime)
+    cases = [(Constraint.choice(["yes", "no", "maybe so"]), lambda text: text in ("yes", "no", "maybe so")),
+             (Constraint.regex(r"[0-9]{3}-[0-9]{4}"), lambda text: len(text) == 8 and text[3] == "-"
+              and (text[:3] + text[4:]).isdigit()),
+             (Constraint.gbnf('root ::= "(" digit+ ")"\ndigit ::= [0-9]'), lambda text: text.startswith("(")
+              and text.endswith(")") and text[1:-1].isdigit() and len(text) > 2),
+             (Constraint.lark('start: "a" "b"* "c"'), lambda text: text[0] == "a" and text[-1] == "c"
+              and set(text[1:-1]) <= {"b"})]
+    for constraint, holds in cases:
+        generation = session.fork().generate(max_tokens=40, constraint=constraint, temperature=1.0, seed=3)
+        text = generation.collect()
+        assert generation.finish_reason == "stop" and holds(text), (constraint, text)
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])  # compiling is the host's, not the engine's
+def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_queued(open_host):
+    host, session = constrained_host(open_host, "llamacpp")
+    before = session.tokens
+    for constraint in (Constraint.regex("(unclosed"), Constraint.gbnf("root ::= undefined-rule"),
+                       Constraint.lark('start: "a" (')):
+        with pytest.raises(ConstraintError, match="does not compile|cannot be read"):
+            session.generate(max_tokens=4, constraint=constraint)
+    with pytest.raises(ConstraintError, match="not valid JSON"):
+        Constraint.json_schema("{nope")
+    with pytest.raises(ConstraintError, match="at most"):
+        Constraint.regex("a" * (300 * 1024))
+    with pytest.raises(ConstraintError, match="non-empty list"):
+        Constraint.choice([])
+    assert session.tokens == before and host.stats().generations == 0
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_a_schema_seen_before_is_taken_from_the_cache(open_host):
+    host, session = constrained_host(open_host, "llamacpp")
+    for _ in range(3):
+        session.fork().generate(max_tokens=80, json_schema=SCHEMAS[0]).collect()
+    assert (host.grammars.misses, host.grammars.hits) == (1, 2)
+
+
+def test_a_constrained_generation_swapped_out_and_back_goes_on_exactly(open_host, runtime, tmp_path):
+    limits = {"llamacpp": {"llamacpp_n_seq_max": 2}, "mlx": {"mlx_max_sequences": 2}}[runtime]
+    digits = Constraint.regex("[0-9]{120}")  # long enough to be swapped out in the middle
+    gate = Gate(decode_steps_of(lanes=2, count=3))  # both constrained lanes are mid-output
+    host = open_host(gate=gate, **limits)
+    urgent = host.session(priority="interactive")
+    urgent.append_text("Hello")
+    background = []
+    for seed in (1, 2):
+        session = host.session(priority="background", temperature=1.0, seed=seed)
+        session.append_text("Numbers:")
+        background.append(session.generate(max_tokens=200, constraint=digits))
+    gate.generate_while_held(host, urgent, max_tokens=3).collect()
+    texts = [generation.collect() for generation in background]
+    assert host.stats().preemptions >= 1
+    lone = open_host(pool_name=f"lone-{runtime}", log_dir=tmp_path / "lone-log")
+    for seed, text in zip((1, 2), texts):
+        session = lone.session(temperature=1.0, seed=seed)
+        session.append_text("Numbers:")
+        assert session.generate(max_tokens=200, constraint=digits).collect() == text  # token for token
+        assert len(text) == 120 and text.isdigit()
+
+
+class _Stuck:
+    """A grammar's place where nothing may come next."""
+
+    vocab_size = 8
+    error = ""
+
+    def allowed(self):
+        return np.zeros(8, dtype=bool)
+
+
+def test_a_constraint_that_allows_no_token_is_an_error_naming_it():
+    with pytest.raises(ConstraintError, match="allows no next token"):
+        constrained(np.zeros(8, dtype=np.float32), _Stuck())
+
+
+def test_masked_logits_keep_the_models_own_for_logprobs_and_padded_rows_are_never_drawn():
+    class Some(_Stuck):
+        def allowed(self):
+            return np.array([False, True] * 4)
+    logits = np.arange(10, dtype=np.float32)
+    masked = constrained(logits, Some())
+    assert list(np.isfinite(masked)) == [False, True] * 4 + [False, False]
+    assert logits[0] == 0.0  # the model's own row is untouched
