@@ -25,10 +25,11 @@ before anything is queued; a generation whose grammar allows no next token ends 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import llguidance
@@ -147,7 +148,7 @@ class Matching:
         """Which tokens may come next, as a bool per token id (none: the grammar is stuck)."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        return np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        return np.unpackbits(words.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
 
     def advance(self, token: int) -> None:
         """Take `token` (one `allowed` said may come); ConstraintError if the grammar refuses it."""
@@ -165,10 +166,46 @@ class Matching:
         return self._matcher.get_error()
 
 
-def constrained(logits: np.ndarray, matching: Matching) -> np.ndarray:
+class Masks:
+    """Masks computed beside the engine's step: started on a thread of their own before it (what a
+    generation may take next depends only on the tokens it has taken), read when its logits come.
+    llguidance lets go of the GIL while it computes, so the step and the masks run side by side."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict[Any, concurrent.futures.Future] = {}
+
+    def start(self, walks: Iterable[tuple[Any, Matching]]) -> None:
+        """Begin each (key, matching)'s next mask (forgetting any not taken: a step whose lanes
+        did not emit. One thread runs them in turn, so a mask still running from such a step
+        finishes before the next one of the same matching starts)."""
+        self._pending.clear()
+        for key, matching in walks:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="superfluid-mask")
+            self._pending[key] = self._pool.submit(matching.allowed)
+
+    def take(self, key: Any, matching: Matching) -> np.ndarray:
+        """The mask begun for `key`, once it is done (computed now if none was begun)."""
+        future = self._pending.pop(key, None)
+        return matching.allowed() if future is None else future.result()
+
+    def discard(self) -> None:
+        """Forget the masks of a step that did not run (a matching is not changed by a mask)."""
+        self._pending.clear()
+
+    def close(self) -> None:
+        """End the thread (the host is closing)."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def constrained(logits: np.ndarray, matching: Matching, allowed: np.ndarray | None = None) -> np.ndarray:
     """`logits` with every token `matching` does not allow next at minus infinity (a new array:
-    the model's own logits stay as they were, for logprobs); ConstraintError when none is allowed."""
-    allowed = matching.allowed()
+    the model's own logits stay as they were, for logprobs); `allowed`: that mask, computed
+    already. ConstraintError when none is allowed."""
+    allowed = matching.allowed() if allowed is None else allowed
     if not allowed.any():
         raise ConstraintError("the constraint allows no next token here"
                               + (f" ({matching.error})" if matching.error else "") + ": the output so far is kept")

@@ -35,7 +35,7 @@ from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
-from superfluid.host.constraints import ConstraintError, constrained
+from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
@@ -96,6 +96,7 @@ class Scheduler:
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
+        self.masks = Masks()  # constrained generations' next masks, computed beside each step
 
     def next_order(self) -> int:
         """A number larger than every one handed out before (arrival and recency order)."""
@@ -128,6 +129,7 @@ class Scheduler:
     def release_engine(self) -> None:
         """Close the engine (idempotent: after a clean close this does nothing) and let go of what
         the runtime keeps for this thread, which ends."""
+        self.masks.close()
         self.engine.close()
         self.engine.release_thread()
 
@@ -390,12 +392,16 @@ class Scheduler:
             self.in_flight = None
             self.planner.step_dropped()
             return
+        self.masks.start((live, live.job.matching) for live, request in requests
+                         if live.job.matching is not None and request.logits != "none")
         try:
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
+            self.masks.discard()
             self._no_room([live for live, _ in requests])
             return
         except Interrupted:  # for a request that goes first; the lanes keep what was finished
+            self.masks.discard()
             self.counters.interrupted_steps += 1
             self.counters.interrupted_seconds += perf_counter() - began
             self.planner.step_dropped()
@@ -503,7 +509,8 @@ class Scheduler:
             job.generation.logits.append(logits.copy())
         position = len(state.tokens)
         try:
-            drawn_from = logits if job.matching is None else constrained(logits, job.matching)
+            drawn_from = (logits if job.matching is None
+                          else constrained(logits, job.matching, self.masks.take(live, job.matching)))
             token = sampler.sample(drawn_from, job.sampling, position, state.tokens[-job.sampling.repetition_window:])
             if job.matching is not None:
                 job.matching.advance(token)
