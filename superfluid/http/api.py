@@ -7,18 +7,22 @@ Every field a request may carry is accounted for:
 - fields that change nothing here (`user`, `metadata`, `store`, ...: IGNORED), dropped on purpose;
 - SGLang's request options, which sglang-router and vllm-router fill in at their defaults on every
   request they forward (ROUTER_FILLED): dropped at a value that changes nothing here, refused at any other;
-- fields that would change the answer in a way this server cannot honour (`grammar`, `tools`,
-  `response_format` other than text, `n` > 1, ...: REFUSED and `refuse_unsupported`), a 400
-  naming the field and why;
+- constraints on the output: OpenAI's `response_format` (`json_object`, `json_schema`),
+  llama-server's `json_schema` and `grammar` (GBNF), vLLM's `guided_json`, `guided_regex`,
+  `guided_choice` and `guided_grammar` (`constraint_of`: at most one per request);
+- fields that would change the answer in a way this server cannot honour (`tools`, `n` > 1,
+  ...: REFUSED and `refuse_unsupported`), a 400 naming the field and why;
 - anything else, a 400 naming the unknown field: never an answer that silently ignored it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from superfluid.host.constraints import Constraint, ConstraintError
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 from superfluid.host.tenants import MAX_SALT
@@ -43,10 +47,8 @@ ROUTER_FILLED = {
 
 # Would change the answer, and the engine cannot honour them: a 400 saying what they ask for.
 REFUSED = {
-    "grammar": "grammar-constrained decoding", "json_schema": "schema-constrained decoding",
-    "guided_json": "schema-constrained decoding", "guided_regex": "regex-constrained decoding",
-    "guided_choice": "choice-constrained decoding", "guided_grammar": "grammar-constrained decoding",
-    "guided_decoding_backend": "constrained decoding", "structured_outputs": "constrained decoding",
+    "guided_decoding_backend": "choosing the constrained decoding engine (this server has one)",
+    "structured_outputs": "vLLM's structured_outputs (use `response_format` or the guided_* fields)",
     "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
     "function_call": "function calling", "logit_bias": "logit biases", "suffix": "fill-in-the-middle",
     "mirostat": "mirostat sampling", "mirostat_tau": "mirostat sampling", "mirostat_eta": "mirostat sampling",
@@ -124,6 +126,14 @@ class _Streamed(_Sampled, kw_only=True):
     # chat: a bool, with top_logprobs alternatives; completions: the number of alternatives
     logprobs: Union[bool, int, None] = None
     top_logprobs: int | None = None
+    # constraints on the output (constraint_of): OpenAI's, llama-server's, vLLM's
+    response_format: dict[str, Any] | None = None
+    json_schema: Union[dict[str, Any], bool, None] = None
+    grammar: str | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class _Generation(_Streamed, kw_only=True):
@@ -135,7 +145,6 @@ class _Generation(_Streamed, kw_only=True):
     n: int | None = None  # refused unless 1
     best_of: int | None = None  # refused unless 1
     echo: bool | None = None  # refused unless false
-    response_format: dict[str, Any] | None = None  # refused unless text
     cache_salt: CacheSalt | None = None  # vLLM's: share cached KV only with requests of the same salt
 
 
@@ -190,9 +199,6 @@ def refuse_unsupported(request: _Generation) -> None:
     """ApiError 400 for each field whose value this server cannot honour."""
     if request.echo:
         raise ApiError(400, "`echo` is not supported by this server", param="echo", code="unsupported_parameter")
-    if request.response_format is not None and request.response_format.get("type", "text") != "text":
-        raise ApiError(400, "`response_format` other than text is not supported by this server",
-                       param="response_format", code="unsupported_parameter")
     for name in ("n", "best_of"):
         value = getattr(request, name)
         if value is not None and value != 1:
@@ -278,15 +284,65 @@ def max_tokens_of(request: _Streamed) -> int:
     return value
 
 
-def generate_request(request: _Streamed, *, chat: bool) -> GenerateRequest:
+def generate_request(request: _Streamed, *, chat: bool,
+                     compile: Callable[[Constraint], Any] | None = None) -> GenerateRequest:
     """The host's request for what `request` asks (its sampling as overrides, stops, max_tokens,
-    priority, logprobs, whether it is streamed): validated here, once, and carried unchanged into
-    the generation's job. ApiError 400 naming the field that is wrong."""
+    priority, logprobs, whether it is streamed, its constraint compiled by `compile`): validated
+    here, once, and carried unchanged into the generation's job. ApiError 400 naming the field
+    that is wrong (ConstraintError for a constraint that does not compile)."""
+    constraint = constraint_of(request)
+    if constraint is not None and compile is None:
+        raise ApiError(400, "this route does not constrain output", param=CONSTRAINT_FIELDS[0])
     return GenerateRequest(max_tokens=max_tokens_of(request), stop=tuple(stops_of(request)),
                            sampling=sampling_of(request),
                            ignore_eos=request.ignore_eos, logprobs=logprobs_of(request, chat=chat),
                            priority=None if request.priority is None else Priority.named(request.priority),
-                           streamed=request.stream)
+                           streamed=request.stream, constraint=None if constraint is None else compile(constraint))
+
+
+CONSTRAINT_FIELDS = ("response_format", "json_schema", "grammar", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+def constraint_of(request: _Streamed) -> Constraint | None:
+    """The constraint a request puts on its output (None: none), from whichever one field gives
+    it; ApiError 400 naming the field for two of them, or a value of the wrong shape. (Whether it
+    compiles is the host's to say: ConstraintError, also a 400.)"""
+    given = [name for name in CONSTRAINT_FIELDS if getattr(request, name) is not None
+             and not (name == "response_format" and getattr(request, name).get("type", "text") == "text")]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"{' and '.join(f'`{name}`' for name in given)} each constrain the output; give one",
+                       param=given[1])
+    name = given[0]
+    value = getattr(request, name)
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name in ("json_schema", "guided_json"):
+            return Constraint.json_schema(value)
+        if name == "guided_regex":
+            return Constraint.regex(value)
+        if name == "guided_choice":
+            return Constraint.choice(value)
+        return Constraint.gbnf(value)  # llama-server's grammar, vLLM's guided_grammar: GBNF
+    except ConstraintError as exc:
+        raise ApiError(400, f"`{name}`: {exc}", param=name, code="invalid_constraint") from None
+
+
+def _response_format(value: dict[str, Any]) -> Constraint:
+    """OpenAI's `response_format`: `json_object`, or `json_schema` with `{"name", "schema",
+    "strict"}` (the schema is kept whether or not `strict` is set: see docs/server.md)."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ConstraintError("`json_schema` must hold the schema: {\"name\": ..., \"schema\": {...}}")
+        return Constraint.json_schema(spec["schema"])
+    raise ConstraintError(f"type {kind!r}: use text, json_object or json_schema")
 
 
 def stops_of(request: _Streamed) -> list[str]:

@@ -352,9 +352,11 @@ class App:
                                           cache_salt=request.cache_salt), wanted
 
     def _wanted(self, request, *, chat: bool) -> GenerateRequest:
-        """The host's request for an HTTP request (api.generate_request), its priority allowed."""
+        """The host's request for an HTTP request (api.generate_request), its priority allowed and
+        its constraint compiled (on a worker thread: a long schema, or the first one, which reads
+        the model's whole vocabulary, must not hold up the event loop)."""
         self._check_priority(request.priority)
-        return api.generate_request(request, chat=chat)
+        return api.generate_request(request, chat=chat, compile=self.host.grammars.compile)
 
     def _check_priority(self, priority: str | None) -> None:
         """ApiError 400 for a class above default where the server does not honour it: any client
@@ -413,7 +415,7 @@ class App:
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
-        wanted = self._wanted(request, chat=True)
+        wanted = await builders.build(functools.partial(self._wanted, chat=True), request)
         generation = await self.call(self.host.commands.generate, session_id, wanted, tenant=exchange.tenant)
         await completions.answer(self, exchange, generation, request, chat=True)
 

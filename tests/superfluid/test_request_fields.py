@@ -26,8 +26,7 @@ def refused(kind=api.ChatRequest, **fields) -> api.ApiError:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("grammar", "root ::= \"yes\""), ("json_schema", {"type": "object"}), ("guided_json", {"type": "object"}),
-    ("guided_choice", ["a", "b"]), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("guided_decoding_backend", "xgrammar"),
     ("tool_choice", "auto"), ("logit_bias", {"1": 5}), ("mirostat", 2), ("typical_p", 0.9), ("n_probs", 3),
     ("suffix", "x"), ("reasoning_effort", "high"),
 ])
@@ -38,7 +37,7 @@ def test_a_field_that_would_change_the_answer_is_refused_by_name(field, value):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"echo": True}, "echo"),
 ])
@@ -181,3 +180,29 @@ def test_a_request_without_stream_is_one_whose_reply_is_read_whole(kind):
     for stream in (False, True):
         request = api.decode(json.dumps({**body, "stream": stream}).encode(), kind)
         assert api.generate_request(request, chat=chat).streamed is stream
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                 "strict": True}}}, "json_schema"),
+    ({"json_schema": {"type": "object"}}, "json_schema"), ({"guided_json": {"type": "object"}}, "json_schema"),
+    ({"guided_regex": "[0-9]+"}, "regex"), ({"guided_choice": ["a", "b"]}, "choice"),
+    ({"grammar": 'root ::= "yes"'}, "gbnf"), ({"guided_grammar": 'root ::= "yes"'}, "gbnf"),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_each_constraint_field_names_its_constraint(fields, kind):
+    constraint = api.constraint_of(decode(**fields))
+    assert (constraint.kind if constraint is not None else None) == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_regex": "[0-9]+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_choice": []}, "guided_choice"), ({"json_schema": "{not json"}, "json_schema"),
+])
+def test_a_constraint_of_the_wrong_shape_or_two_at_once_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(api.ApiError) as caught:
+        api.constraint_of(decode(**fields))
+    assert caught.value.status == 400 and caught.value.param == param
