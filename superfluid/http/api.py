@@ -320,8 +320,8 @@ def constraint_of(request: _Streamed) -> Constraint | None:
     try:
         if name == "response_format":
             return _response_format(value)
-        if name in ("json_schema", "guided_json"):
-            return Constraint.json_schema(value)
+        if name in ("json_schema", "guided_json"):  # as llama-server and vLLM take them: what is not implemented is ignored
+            return Constraint.json_schema(value, strict=False)
         if name == "guided_regex":
             return Constraint.regex(value)
         if name == "guided_choice":
@@ -333,7 +333,8 @@ def constraint_of(request: _Streamed) -> Constraint | None:
 
 def _response_format(value: dict[str, Any]) -> Constraint:
     """OpenAI's `response_format`: `json_object`, or `json_schema` with `{"name", "schema",
-    "strict"}` (the schema is kept whether or not `strict` is set: see docs/server.md)."""
+    "strict"}` (with `strict`, a keyword the engine does not implement is refused; without, it is
+    ignored: see docs/server.md)."""
     kind = value.get("type")
     if kind == "json_object":
         return Constraint.json_object()
@@ -341,7 +342,7 @@ def _response_format(value: dict[str, Any]) -> Constraint:
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ConstraintError("`json_schema` must hold the schema: {\"name\": ..., \"schema\": {...}}")
-        return Constraint.json_schema(spec["schema"])
+        return Constraint.json_schema(spec["schema"], strict=spec.get("strict") is True)
     raise ConstraintError(f"type {kind!r}: use text, json_object or json_schema")
 
 

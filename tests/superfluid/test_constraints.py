@@ -138,3 +138,26 @@ def test_masked_logits_keep_the_models_own_for_logprobs_and_padded_rows_are_neve
     masked = constrained(logits, Some())
     assert list(np.isfinite(masked)) == [False, True] * 4 + [False, False]
     assert logits[0] == 0.0  # the model's own row is untouched
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_strict_refuses_a_keyword_the_engine_does_not_implement_and_lenient_ignores_it(open_host):
+    host, session = constrained_host(open_host, "llamacpp")
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2, "uniqueItems": True}
+    with pytest.raises(ConstraintError, match="uniqueItems"):
+        session.generate(max_tokens=20, json_schema=schema)
+    text = session.complete(max_tokens=20, constraint=Constraint.json_schema(schema, strict=False))
+    assert set(json.loads(text)) <= {"a", "b"}
+
+
+def test_objects_are_closed_unless_the_schema_opens_them():
+    from superfluid.host.constraints import closed
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "additionalProperties": {"type": "integer"}},
+              "$defs": {"d": {"properties": {"x": {}}}}, "anyOf": [{"properties": {}}]}
+    done = closed(schema)
+    assert done["additionalProperties"] is False and done["properties"]["a"]["additionalProperties"] is False
+    assert done["properties"]["additionalProperties"] == {"type": "integer"}  # a property of that name: a schema
+    assert done["$defs"]["d"]["additionalProperties"] is False and done["anyOf"][0]["additionalProperties"] is False
+    opened = {"properties": {"a": {}}, "additionalProperties": True}
+    assert closed(opened) == opened and "additionalProperties" not in schema  # the caller's is not changed

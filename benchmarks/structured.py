@@ -1,0 +1,183 @@
+"""Structured output on real models: every output of a sweep of JSON schemas (nested objects,
+arrays with bounds, enums, numbers with ranges, strings with patterns and formats, anyOf,
+optional fields) must parse and validate against its schema, checked by a JSON Schema validator;
+an output cut by max_tokens counts as a failure. Run on SmolLM2 and Gemma 3 270M, on each runtime
+given; prints each schema's outcome and the pass rate (goal: every one).
+
+    .venv/bin/python benchmarks/structured.py [--runtimes llamacpp mlx] [--models smollm2 gemma3]
+
+tests/superfluid/test_structured_real.py runs a few of these as `real_model` tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jsonschema  # noqa: E402
+
+from engines import models  # noqa: E402
+from superfluid import Host  # noqa: E402
+
+MAX_TOKENS = 320
+_name = {"type": "string", "minLength": 1, "maxLength": 40}
+_short = {"type": "string", "minLength": 1, "maxLength": 24}
+
+# (what to ask for, the schema)
+SCHEMAS: list[tuple[str, dict]] = [
+    ("a person", {"type": "object", "properties": {"name": _name, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 120}},
+                  "required": ["name", "age"], "additionalProperties": False}),
+    ("the weather in a city", {"type": "object", "properties": {
+        "city": _name, "celsius": {"type": "number", "minimum": -60, "maximum": 60},
+        "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}}, "required": ["city", "celsius", "sky"]}),
+    ("three colours", {"type": "array", "items": _short, "minItems": 3, "maxItems": 3}),
+    ("a yes or no answer to: is water wet?", {"type": "object", "properties": {"answer": {"type": "boolean"}},
+                                              "required": ["answer"]}),
+    ("a book", {"type": "object", "properties": {
+        "title": _name, "author": _name, "year": {"type": "integer", "minimum": 1400, "maximum": 2030},
+        "isbn": {"type": "string", "pattern": "^[0-9]{13}$"}}, "required": ["title", "author", "year", "isbn"]}),
+    ("a shopping list", {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 5,
+        "items": {"type": "object", "properties": {"name": _short, "quantity": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 20}},
+                  "required": ["name", "quantity"], "additionalProperties": False}}}, "required": ["items"]}),
+    ("a contact", {"type": "object", "properties": {"email": {"type": "string", "format": "email"},
+                                                    "phone": {"type": "string", "pattern": "^\\+?[0-9]{7,12}$"}},
+                   "required": ["email", "phone"]}),
+    ("a date and a time", {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                                                            "time": {"type": "string", "format": "time"}},
+                           "required": ["date", "time"]}),
+    ("a rating of a film", {"type": "object", "properties": {"film": _name, "stars": {"type": "integer",
+                                                                                       "minimum": 1, "maximum": 5},
+                                                            "review": {"type": "string", "maxLength": 80}},
+                            "required": ["film", "stars"]}),
+    ("a point in 3D", {"type": "object", "properties": {axis: {"type": "number", "minimum": -100, "maximum": 100}
+                                                        for axis in "xyz"}, "required": ["x", "y", "z"],
+                       "additionalProperties": False}),
+    ("a task with a priority", {"type": "object", "properties": {"task": _name,
+                                                                 "priority": {"enum": ["low", "medium", "high"]},
+                                                                 "done": {"type": "boolean"}},
+                                "required": ["task", "priority", "done"]}),
+    ("a recipe", {"type": "object", "properties": {
+        "name": _name, "serves": {"type": "integer", "minimum": 1, "maximum": 12},
+        "steps": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "maxLength": 60}}},
+        "required": ["name", "serves", "steps"]}),
+    ("an address", {"type": "object", "properties": {
+        "street": _name, "city": _short, "postcode": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "country": {"type": "string", "pattern": "^[A-Z]{2}$"}}, "required": ["street", "city", "postcode",
+                                                                                "country"]}),
+    ("a colour in RGB", {"type": "object", "properties": {c: {"type": "integer", "minimum": 0, "maximum": 255}
+                                                          for c in ("r", "g", "b")}, "required": ["r", "g", "b"]}),
+    ("a hex colour", {"type": "object", "properties": {"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+                      "required": ["hex"]}),
+    ("a user that may have a nickname", {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1}, "nickname": {"anyOf": [_short, {"type": "null"}]}},
+        "required": ["id", "nickname"]}),
+    ("a measurement", {"type": "object", "properties": {"value": {"type": "number"},
+                                                        "unit": {"enum": ["m", "kg", "s", "K"]}},
+                       "required": ["value", "unit"]}),
+    ("two teams and a score", {"type": "object", "properties": {
+        "home": _short, "away": _short, "score": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 20},
+                                                  "minItems": 2, "maxItems": 2}},
+        "required": ["home", "away", "score"]}),
+    ("an invoice line", {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "price": {"type": "number", "minimum": 0,
+                                                                             "maximum": 10000},
+        "currency": {"enum": ["EUR", "USD", "GBP"]}}, "required": ["sku", "price", "currency"]}),
+    ("a list of numbers from one to five", {"type": "array", "items": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 5},
+                                            "minItems": 5, "maxItems": 5}),
+    ("a company and its employees", {"type": "object", "properties": {
+        "company": _name, "employees": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "properties": {"name": _short, "role": _short}, "required": ["name", "role"]}}},
+        "required": ["company", "employees"]}),
+    ("a geographic location", {"type": "object", "properties": {
+        "lat": {"type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180,
+                                                                          "maximum": 180}},
+        "required": ["lat", "lon"]}),
+    ("a sentiment", {"enum": ["positive", "negative", "neutral"]}),
+    ("a website", {"type": "object", "properties": {"url": {"type": "string", "format": "uri", "maxLength": 60},
+                                                    "title": _name}, "required": ["url", "title"]}),
+    ("a flight", {"type": "object", "properties": {
+        "number": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2,4}$"}, "from": {"type": "string",
+                                                                                 "pattern": "^[A-Z]{3}$"},
+        "to": {"type": "string", "pattern": "^[A-Z]{3}$"}, "seats": {"type": "integer", "minimum": 1,
+                                                                     "maximum": 9}},
+        "required": ["number", "from", "to", "seats"]}),
+    ("a tree of two levels", {"type": "object", "properties": {"name": _short, "children": {
+        "type": "array", "maxItems": 2, "items": {"type": "object", "properties": {"name": _short},
+                                                  "required": ["name"]}}}, "required": ["name", "children"]}),
+    ("a poll", {"type": "object", "properties": {"question": _name, "options": {
+        "type": "array", "items": _short, "minItems": 2, "maxItems": 4}},
+        "required": ["question", "options"]}),
+    ("a temperature reading that is either a number or unknown", {"type": "object", "properties": {
+        "reading": {"anyOf": [{"type": "number", "minimum": -50, "maximum": 50}, {"const": "unknown"}]}},
+        "required": ["reading"]}),
+    ("a username", {"type": "object", "properties": {"username": {"type": "string",
+                                                                  "pattern": "^[a-z][a-z0-9_]{2,15}$"}},
+                    "required": ["username"]}),
+    ("settings with optional fields", {"type": "object", "properties": {
+        "theme": {"enum": ["light", "dark"]}, "font_size": {"type": "integer", "minimum": 8, "maximum": 32},
+        "notifications": {"type": "boolean"}}, "required": ["theme"], "additionalProperties": False}),
+    ("an event", {"type": "object", "properties": {
+        "title": _name, "start": {"type": "string", "format": "date-time"},
+        "attendees": {"type": "integer", "minimum": 0, "maximum": 500}}, "required": ["title", "start",
+                                                                                     "attendees"]}),
+    ("a matrix of two rows", {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": -9, "maximum": 9}}}),
+]
+
+
+def run_sweep(host: Host, schemas=SCHEMAS, *, seed: int = 0) -> list[tuple[str, bool, str]]:
+    """(what, passed, the output or why not) for each schema on `host`."""
+    results = []
+    for what, schema in schemas:
+        session = host.session(temperature=0.0, seed=seed)
+        session.append_system("You answer with JSON only.")
+        session.append_user(f"Give me {what} as JSON.")
+        generation = session.generate(max_tokens=MAX_TOKENS, json_schema=schema)
+        text = generation.collect()
+        try:
+            if generation.finish_reason != "stop":
+                raise ValueError(f"cut: {generation.finish_reason}")
+            jsonschema.validate(json.loads(text), schema)
+            results.append((what, True, text))
+        except (ValueError, jsonschema.ValidationError) as exc:
+            results.append((what, False, f"{exc}: {text[:120]!r}"))
+        host.delete(session.id)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtimes", nargs="+", default=["llamacpp", "mlx"])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    args = parser.parse_args(argv)
+    failed = 0
+    for model_name in args.models:
+        path = models.default_model() if model_name == "smollm2" else models.gemma3_model()
+        for runtime in args.runtimes:
+            with tempfile.TemporaryDirectory() as directory, \
+                    Host(path, runtime=runtime, pool_name=f"structured-{Path(directory).name}", log_dir=directory,
+                         **({"llamacpp_threads": 2} if runtime == "llamacpp" else {})) as host:
+                began = time.perf_counter()
+                results = run_sweep(host)
+                host.close(remove_pool=True)
+            passed = sum(ok for _, ok, _ in results)
+            failed += len(results) - passed
+            print(f"{model_name} on {runtime}: {passed}/{len(results)} valid ({time.perf_counter() - began:.0f} s)")
+            for what, ok, detail in results:
+                if not ok:
+                    print(f"    FAILED {what}: {detail}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
