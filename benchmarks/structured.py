@@ -47,7 +47,7 @@ SCHEMAS: list[tuple[str, dict]] = [
         "items": {"type": "object", "properties": {"name": _short, "quantity": {"type": "integer", "minimum": 1,
                                                                               "maximum": 20}},
                   "required": ["name", "quantity"], "additionalProperties": False}}}, "required": ["items"]}),
-    ("a contact", {"type": "object", "properties": {"email": {"type": "string", "format": "email"},
+    ("a contact", {"type": "object", "properties": {"email": {"type": "string", "format": "email", "maxLength": 60},
                                                     "phone": {"type": "string", "pattern": "^\\+?[0-9]{7,12}$"}},
                    "required": ["email", "phone"]}),
     ("a date and a time", {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
