@@ -29,7 +29,9 @@ MAX_TOKENS = 320
 _name = {"type": "string", "minLength": 1, "maxLength": 40}
 _short = {"type": "string", "minLength": 1, "maxLength": 24}
 
-# (what to ask for, the schema)
+# (what to ask for, the schema). Every string, number and array is bounded: a small model decoding
+# greedily can repeat a digit or a word until max_tokens (Gemma 3 wrote an id of 120 fives), and an
+# output cut by length fails: a schema must fit in the tokens given.
 SCHEMAS: list[tuple[str, dict]] = [
     ("a person", {"type": "object", "properties": {"name": _name, "age": {"type": "integer", "minimum": 0,
                                                                          "maximum": 120}},
@@ -77,9 +79,9 @@ SCHEMAS: list[tuple[str, dict]] = [
     ("a hex colour", {"type": "object", "properties": {"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
                       "required": ["hex"]}),
     ("a user that may have a nickname", {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1}, "nickname": {"anyOf": [_short, {"type": "null"}]}},
+        "id": {"type": "integer", "minimum": 1, "maximum": 999999}, "nickname": {"anyOf": [_short, {"type": "null"}]}},
         "required": ["id", "nickname"]}),
-    ("a measurement", {"type": "object", "properties": {"value": {"type": "number"},
+    ("a measurement", {"type": "object", "properties": {"value": {"type": "number", "minimum": -1e6, "maximum": 1e6},
                                                         "unit": {"enum": ["m", "kg", "s", "K"]}},
                        "required": ["value", "unit"]}),
     ("two teams and a score", {"type": "object", "properties": {
