@@ -30,8 +30,10 @@ _name = {"type": "string", "minLength": 1, "maxLength": 40}
 _short = {"type": "string", "minLength": 1, "maxLength": 24}
 
 # (what to ask for, the schema). Every string, number and array is bounded: a small model decoding
-# greedily can repeat a digit or a word until max_tokens (Gemma 3 wrote an id of 120 fives), and an
-# output cut by length fails: a schema must fit in the tokens given.
+# greedily can repeat a digit or a word until max_tokens (Gemma 3 wrote an id of 120 fives, and a
+# longitude of 111.111...: `multipleOf` bounds a number's decimals; a binary fraction, so that the
+# validator's float arithmetic agrees), and an output cut by length fails: a schema must fit in
+# the tokens given.
 SCHEMAS: list[tuple[str, dict]] = [
     ("a person", {"type": "object", "properties": {"name": _name, "age": {"type": "integer", "minimum": 0,
                                                                          "maximum": 120}},
@@ -101,8 +103,8 @@ SCHEMAS: list[tuple[str, dict]] = [
             "type": "object", "properties": {"name": _short, "role": _short}, "required": ["name", "role"]}}},
         "required": ["company", "employees"]}),
     ("a geographic location", {"type": "object", "properties": {
-        "lat": {"type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180,
-                                                                          "maximum": 180}},
+        "lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0625},
+        "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0625}},
         "required": ["lat", "lon"]}),
     ("a sentiment", {"enum": ["positive", "negative", "neutral"]}),
     ("a website", {"type": "object", "properties": {"url": {"type": "string", "format": "uri", "maxLength": 60},
