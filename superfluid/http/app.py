@@ -294,7 +294,7 @@ class App:
                                                               "owned_by": "superfluid"}]})
 
     async def _metrics(self, exchange: Exchange, _: None) -> None:
-        data = self.metrics.exposition(self.host.published_stats(), exchange.tenant)
+        data = self.metrics.exposition(self.host.published_stats(), exchange.tenant, self.host.grammars)
         await exchange.start(200, {"Content-Type": CONTENT_TYPE, "Content-Length": str(len(data))})
         await exchange.write(data, more=False)
 

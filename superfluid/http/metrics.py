@@ -84,12 +84,21 @@ class _HostCollector:
 
     def __init__(self) -> None:
         self.stats = None  # set by Metrics.exposition for the scrape it answers
+        self.grammars = None  # the host's compiled constraints (their cache's hits and misses), likewise
 
     def describe(self):
         """The host's series without values (the registry asks at registration, before a host
         may exist: the server binds its port before the model loads)."""
         for name, kind, help_text, _ in HOST_SERIES:
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
+        yield from self._grammar_series(0, 0)
+
+    @staticmethod
+    def _grammar_series(hits: int, misses: int):
+        yield CounterMetricFamily("superfluid_grammar_cache_hits", "Constraints found compiled in the cache.",
+                                  value=hits)
+        yield CounterMetricFamily("superfluid_grammar_cache_misses", "Constraints compiled (not in the cache).",
+                                  value=misses)
 
     def collect(self):
         """The host's series, from the statistics of this scrape (none before a host exists)."""
@@ -98,6 +107,8 @@ class _HostCollector:
         for name, kind, help_text, field in HOST_SERIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"superfluid_{name}", help_text, value=getattr(self.stats, field))
+        if self.grammars is not None:
+            yield from self._grammar_series(self.grammars.hits, self.grammars.misses)
 
 
 class _TenantCollector:
@@ -207,14 +218,15 @@ class Metrics:
         """Record a generating request's whole time."""
         self.latency_seconds.observe(seconds)
 
-    def exposition(self, stats=None, viewer: str = UNNAMED) -> bytes:
+    def exposition(self, stats=None, viewer: str = UNNAMED, grammars=None) -> bytes:
         """The Prometheus text of everything, the host's series from `stats` (its HostStats, read
         for this scrape), the tenants' those `viewer` may see; CONTENT_TYPE says the format's
-        version. Called on one thread at a time (the server's event loop): the statistics are
-        held for the length of the call."""
+        version; `grammars`: the host's compiled constraints. Called on one thread at a time (the
+        server's event loop): the statistics are held for the length of the call."""
         self._host.stats = self._tenants.stats = stats
+        self._host.grammars = grammars
         self._tenants.viewer = viewer
         try:
             return generate_latest(self.registry)
         finally:
-            self._host.stats = self._tenants.stats = None
+            self._host.stats = self._tenants.stats = self._host.grammars = None

@@ -35,6 +35,8 @@ def test_response_format_json_schema_whole_and_streamed(served):
                                             seed=5, response_format=response_format, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
+    # compiled once, found in the cache three times (the module's other tests may add to both)
+    assert served.metric("grammar_cache_hits_total") >= 3 and served.metric("grammar_cache_misses_total") >= 1
 
 
 def test_response_format_json_object_writes_an_object(served):
