@@ -66,8 +66,10 @@ class HfTokenizer:
                 piece = text.encode()
             else:
                 text = self._tokenizer.convert_ids_to_tokens(token)
-                byte = _BYTE_TOKEN.fullmatch(text)
-                if byte is not None:
+                byte = _BYTE_TOKEN.fullmatch(text) if text is not None else None
+                if text is None:  # a row of the logits past the tokenizer's tokens (padding): no text
+                    piece = b""
+                elif byte is not None:
                     piece = bytes([int(byte.group(1), 16)])
                 elif self._byte_level is not None and all(c in self._byte_level for c in text):
                     piece = bytes(self._byte_level[c] for c in text)

@@ -84,8 +84,12 @@ class Constraint(msgspec.Struct, frozen=True):
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ConstraintError("a JSON schema is an object (or true / false)")
+        if schema is True:
+            schema = {}  # any value
+        if schema is False:
+            raise ConstraintError("the JSON schema `false` accepts no value: no output could follow it")
+        if not isinstance(schema, dict):
+            raise ConstraintError("a JSON schema is an object (or true)")
         # (its key order is the output's)
         return cls("json_schema", json.dumps(closed(schema), separators=(",", ":")), lenient=not strict)
 
@@ -136,31 +140,41 @@ class Constraint(msgspec.Struct, frozen=True):
             raise ConstraintError(f"the {self.kind} cannot be read: {exc}") from None
 
 
-# The keywords whose value is a schema, a list of schemas, or a map of names to schemas.
-_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-           "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords whose subschemas describe *other* values (a property's, an item's): each is closed on
+# its own. Subschemas that describe the same object as their parent (allOf, not, if/then/else,
+# dependentSchemas) are left as they are: closing one of them could make the whole accept nothing,
+# or accept what it refused (a closed branch of `not`).
+_VALUE_SCHEMA = ("additionalProperties", "items", "contains", "additionalItems", "unevaluatedItems")
+_VALUE_SCHEMAS = ("prefixItems",)
+_VALUE_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SHARED = ("allOf", "$ref", "if", "dependentSchemas", "not")  # beside these, an object's keys are not all listed here
 
 
 def closed(schema: Any) -> Any:
-    """`schema` with every object schema that lists `properties` and says nothing of other
-    properties closed to them (`additionalProperties: false`): a schema whose every output
-    validates against `schema`."""
+    """`schema` with each object schema that lists `properties`, says nothing of others, and is
+    the whole description of its object, closed to them (`additionalProperties: false`): a schema
+    every output of which validates against `schema`. anyOf / oneOf branches are closed only
+    where their parent lists no properties of its own (each branch then describes the object
+    alone)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SCHEMA:
+    for key in _VALUE_SCHEMA:
         if key in out:
             out[key] = [closed(s) for s in out[key]] if isinstance(out[key], list) else closed(out[key])
-    for key in _SCHEMAS:
+    for key in _VALUE_SCHEMAS:
         if isinstance(out.get(key), list):
             out[key] = [closed(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
+    for key in _VALUE_SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed(s) for name, s in out[key].items()}
-    if "properties" in out and not any(key in out for key in _OPENERS):
+    if "properties" not in out:
+        for key in ("anyOf", "oneOf"):
+            if isinstance(out.get(key), list):
+                out[key] = [closed(s) for s in out[key]]
+    if ("properties" in out and not any(key in out for key in _OPENERS + _SHARED)
+            and not any(key in out for key in ("anyOf", "oneOf"))):
         out["additionalProperties"] = False
     return out
 
@@ -191,13 +205,21 @@ class Matching:
 
     def advance(self, token: int) -> None:
         """Take `token` (one `allowed` said may come); ConstraintError if the grammar refuses it."""
-        if not self._matcher.consume_token(token):
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
             raise ConstraintError(f"the constraint refused token {token}: {self._matcher.get_error()}")
 
     @property
     def finished(self) -> bool:
         """True once the grammar can take no other token than an end of generation."""
         return self._matcher.is_stopped()
+
+    @property
+    def stuck(self) -> bool:
+        """True when the grammar can go on no further without being satisfied: an error, or
+        stopped where it does not accept (llguidance then allows an end of generation alone,
+        which must not pass for a finished output)."""
+        matcher = self._matcher
+        return matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting())
 
     @property
     def error(self) -> str:
@@ -245,7 +267,7 @@ def constrained(logits: np.ndarray, matching: Matching, allowed: np.ndarray | No
     the model's own logits stay as they were, for logprobs); `allowed`: that mask, computed
     already. ConstraintError when none is allowed."""
     allowed = matching.allowed() if allowed is None else allowed
-    if not allowed.any():
+    if matching.stuck or not allowed.any():
         raise ConstraintError("the constraint allows no next token here"
                               + (f" ({matching.error})" if matching.error else "") + ": the output so far is kept")
     if len(allowed) < len(logits):  # rows padded past the vocabulary: never allowed
@@ -264,7 +286,7 @@ class Grammars:
         `vocab_size`: the length of the logits rows."""
         self._vocabulary, self._tokenize = vocabulary, tokenize
         self.end_tokens, self.vocab_size, self.capacity = tuple(end_tokens), vocab_size, capacity
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer: llguidance.LLTokenizer | ConstraintError | None = None  # (an error: it cannot be made)
         self._compiled: OrderedDict[Constraint, Compiled] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -281,9 +303,6 @@ class Grammars:
             self.misses += 1
             tokenizer = self._tokenizer_view()
         grammar = constraint.grammar()  # outside the lock: a long grammar does not hold up the others
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if failed:
-            raise ConstraintError(f"the {constraint.kind} does not compile: {messages[0]}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"the {constraint.kind} does not compile: {matcher.get_error()}")
@@ -295,18 +314,26 @@ class Grammars:
         return compiled
 
     def _tokenizer_view(self) -> llguidance.LLTokenizer:
-        # (under the lock: made once; it reads the whole vocabulary, 0.3-2.5 s on the models here)
+        # (under the lock: made once; it reads the whole vocabulary, 0.3-2.5 s on the models here;
+        # a vocabulary the grammar engine cannot read is said once and remembered)
+        if isinstance(self._tokenizer, ConstraintError):
+            raise self._tokenizer
         if self._tokenizer is None:
-            vocabulary = self._vocabulary()
-            ends = list(self.end_tokens)
-            if vocabulary.tokenizer_json is not None:
-                self._tokenizer = llguidance.LLTokenizer(vocabulary.tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=ends)
-            else:
-                self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Pieces(vocabulary.pieces, ends,
-                                                                                             self._tokenize)),
-                                                         n_vocab=self.vocab_size, eos_token=ends)
+            try:
+                self._tokenizer = self._make_tokenizer_view()
+            except (ValueError, TypeError) as exc:  # what llguidance raises for a vocabulary it cannot read
+                self._tokenizer = ConstraintError(f"this model's vocabulary cannot be read by the grammar engine ({exc}): "
+                                                  "it cannot constrain a generation")
+                raise self._tokenizer from None
         return self._tokenizer
+
+    def _make_tokenizer_view(self) -> llguidance.LLTokenizer:
+        """The grammar engine's view of the vocabulary (ValueError where it cannot read it)."""
+        vocabulary, ends = self._vocabulary(), list(self.end_tokens)
+        if vocabulary.tokenizer_json is not None:
+            return llguidance.LLTokenizer(vocabulary.tokenizer_json, n_vocab=self.vocab_size, eos_token=ends)
+        pieces = _Pieces(vocabulary.pieces, ends, self._tokenize)
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(pieces), n_vocab=self.vocab_size, eos_token=ends)
 
 
 class _Pieces:

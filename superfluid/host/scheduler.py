@@ -517,9 +517,15 @@ class Scheduler:
         except (sampler.SamplingError, ConstraintError) as exc:  # this generation ends, the others go on
             self.finish(live, "error", exc)
             return
+        except Exception as exc:  # noqa: BLE001 - the grammar engine failed on this generation alone
+            if job.matching is None:
+                raise
+            self.finish(live, "error", ConstraintError(f"the constraint failed: {exc}"))
+            return
         self.sessions.commit(live, [token])
         job.produced += 1
-        end_of_turn = token in self.descriptor.eos_tokens and not request.ignore_eos
+        # (a constrained generation ends at an end token: the grammar allowed it as its end)
+        end_of_turn = token in self.descriptor.eos_tokens and (not request.ignore_eos or job.matching is not None)
         text = "" if end_of_turn else job.stream.feed(self.engine.detokenize([token]))
         scored = None if request.logprobs is None else sampler.logprobs(
             logits, token, request.logprobs, lambda t: self.engine.detokenize([t]))

@@ -120,6 +120,7 @@ class _Stuck:
 
     vocab_size = 8
     error = ""
+    stuck = False
 
     def allowed(self):
         return np.zeros(8, dtype=bool)
@@ -150,14 +151,51 @@ def test_strict_refuses_a_keyword_the_engine_does_not_implement_and_lenient_igno
     assert set(json.loads(text)) <= {"a", "b"}
 
 
-def test_objects_are_closed_unless_the_schema_opens_them():
+def test_objects_are_closed_unless_the_schema_opens_them_or_describes_them_in_parts():
     from superfluid.host.constraints import closed
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
                                                "additionalProperties": {"type": "integer"}},
-              "$defs": {"d": {"properties": {"x": {}}}}, "anyOf": [{"properties": {}}]}
+              "$defs": {"d": {"properties": {"x": {}}}}}
     done = closed(schema)
     assert done["additionalProperties"] is False and done["properties"]["a"]["additionalProperties"] is False
     assert done["properties"]["additionalProperties"] == {"type": "integer"}  # a property of that name: a schema
-    assert done["$defs"]["d"]["additionalProperties"] is False and done["anyOf"][0]["additionalProperties"] is False
+    assert done["$defs"]["d"]["additionalProperties"] is False
     opened = {"properties": {"a": {}}, "additionalProperties": True}
     assert closed(opened) == opened and "additionalProperties" not in schema  # the caller's is not changed
+    # an object described in parts is left open: closing a part would refuse the others' keys
+    parts = {"allOf": [{"properties": {"a": {}}, "required": ["a"]}, {"properties": {"b": {}}, "required": ["b"]}]}
+    assert closed(parts) == parts
+    union = {"properties": {"kind": {"enum": ["x", "y"]}}, "oneOf": [{"required": ["kind"]}, {"properties": {}}]}
+    assert closed(union) == union
+    branches = {"anyOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]}  # each branch the whole object
+    assert all(branch["additionalProperties"] is False for branch in closed(branches)["anyOf"])
+    negated = {"not": {"properties": {"a": {}}}}
+    assert closed(negated) == negated
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_a_grammar_in_error_is_stuck_and_ends_its_generation_with_an_error_not_a_stop(open_host):
+    host, _ = constrained_host(open_host, "llamacpp")
+    matching = host.grammars.compile(Constraint.choice(["yes"])).start()
+    refused = next(t for t in range(matching.vocab_size) if not matching.allowed()[t])
+    with pytest.raises(ConstraintError, match="refused token"):
+        matching.advance(refused)
+    assert matching.stuck  # llguidance would allow an end token alone here: not a finished output
+    with pytest.raises(ConstraintError, match="allows no next token"):
+        constrained(np.zeros(matching.vocab_size, dtype=np.float32), matching)
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_with_ignore_eos_a_constrained_generation_still_ends_where_its_grammar_does(open_host):
+    host, session = constrained_host(open_host, "llamacpp")
+    # after a digit the grammar may end: an end token drawn there ends it, and never shows as text
+    for seed in range(6):
+        text = session.fork().complete(max_tokens=30, ignore_eos=True, constraint=Constraint.regex("[0-9]{1,12}"),
+                                       temperature=1.0, seed=seed)
+        assert text.isdigit() and 1 <= len(text) <= 12, text
+
+
+def test_schema_true_is_any_value_and_false_is_refused():
+    assert json.loads(Constraint.json_schema(True).source) == {}
+    with pytest.raises(ConstraintError, match="accepts no value"):
+        Constraint.json_schema(False)
