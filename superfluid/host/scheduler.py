@@ -41,7 +41,7 @@ from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager
-from superfluid.host.lane import Job, Live
+from superfluid.host.lane import Live
 from superfluid.host.log import LogWriteFailed, SessionLog
 from superfluid.host.planner import Planner
 from superfluid.host.session import Generation, Piece, Wakes, wake_readers
