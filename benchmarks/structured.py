@@ -5,6 +5,11 @@ an output cut by max_tokens counts as a failure. Run on SmolLM2 and Gemma 3 270M
 given; prints each schema's outcome and the pass rate (goal: every one).
 
     .venv/bin/python benchmarks/structured.py [--runtimes llamacpp mlx] [--models smollm2 gemma3]
+    .venv/bin/python benchmarks/structured.py --llama-server   # and the same requests to llama-server
+
+With --llama-server the same schemas go to llama.cpp's llama-server (built as the other
+benchmarks build it) as OpenAI's `response_format` with the schema, greedy, the same max_tokens,
+checked the same way: where it fails, and how, is printed beside ours.
 
 tests/superfluid/test_structured_real.py runs a few of these as `real_model` tests.
 """
@@ -159,10 +164,42 @@ def run_sweep(host: Host, schemas=SCHEMAS, *, seed: int = 0) -> list[tuple[str, 
     return results
 
 
+def peer_sweep(model_path: Path, schemas=SCHEMAS) -> list[tuple[str, bool, str]]:
+    """(what, passed, the output or why not) for each schema sent to llama-server."""
+    from benchmarks.servers import start_peer
+    import openai
+
+    served = start_peer(model_path, 4096)
+    results = []
+    try:
+        for what, schema in schemas:
+            messages = [{"role": "system", "content": "You answer with JSON only."},
+                        {"role": "user", "content": f"Give me {what} as JSON."}]
+            try:
+                reply = served.client.chat.completions.create(
+                    model=served.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                    response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+            except openai.APIError as exc:
+                results.append((what, False, f"refused: {exc}"[:200]))
+                continue
+            text, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+            try:
+                if finish != "stop":
+                    raise ValueError(f"cut: {finish}")
+                jsonschema.validate(json.loads(text), schema)
+                results.append((what, True, text))
+            except (ValueError, jsonschema.ValidationError) as exc:
+                results.append((what, False, f"{str(exc)[:120]}: {text[:120]!r}"))
+    finally:
+        served.stop()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtimes", nargs="+", default=["llamacpp", "mlx"])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    parser.add_argument("--llama-server", action="store_true", help="also send the same requests to llama-server")
     args = parser.parse_args(argv)
     failed = 0
     for model_name in args.models:
@@ -177,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             passed = sum(ok for _, ok, _ in results)
             failed += len(results) - passed
             print(f"{model_name} on {runtime}: {passed}/{len(results)} valid ({time.perf_counter() - began:.0f} s)")
+            for what, ok, detail in results:
+                if not ok:
+                    print(f"    FAILED {what}: {detail}")
+        if args.llama_server:
+            began = time.perf_counter()
+            results = peer_sweep(path)
+            passed = sum(ok for _, ok, _ in results)
+            print(f"{model_name} on llama-server (response_format json_schema): {passed}/{len(results)} valid "
+                  f"({time.perf_counter() - began:.0f} s)")
             for what, ok, detail in results:
                 if not ok:
                     print(f"    FAILED {what}: {detail}")
