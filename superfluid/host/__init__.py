@@ -6,8 +6,7 @@
     prompts.py        a one-shot request's prompt, rendered and tokenized on the caller's thread
     sessions.py       the owner of sessions: their state and the records of the session log
     engine_thread.py  the one thread that touches the engine, and the commands that reach it
-    scheduler.py      what that thread does with the engine: the queue and the step
-    admission.py      which waiting generations get a lane, in what order, and who may wait
+    scheduler.py      what that thread does with the engine: the queue, admission and the step
     planner.py        what each step carries: a token budget from measured step costs and two targets
     kv.py             the KV manager: where KV is, what moves it, and who gets room
     lane.py           a session's place in the engine (its sequence and cells) and its job
