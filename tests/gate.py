@@ -81,3 +81,11 @@ class GatedEngine:
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
+
+
+def start_together(host, sessions, request: GenerateRequest) -> list:
+    """Start each session's generation in one scheduler command (their Generations): they are
+    admitted in the same tick and decode side by side from the first step, however fast or slow
+    the machine is. Started one call at a time, the first could be done before the second
+    arrives, and the step a gate waits for never come."""
+    return host.call(lambda: [host.commands.generate(session.id, request) for session in sessions])

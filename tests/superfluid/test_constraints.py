@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from superfluid.host.constraints import Constraint, ConstraintError, constrained
-from tests.gate import Gate, decode_steps_of
+from superfluid.host.request import GenerateRequest
+from tests.gate import Gate, decode_steps_of, start_together
 
 # Bounded everywhere (string lengths, array sizes), so that every output fits max_tokens: an
 # output cut by length is a failure here, not a pass.
@@ -99,11 +100,12 @@ def test_a_constrained_generation_swapped_out_and_back_goes_on_exactly(open_host
     host = open_host(gate=gate, **limits)
     urgent = host.session(priority="interactive")
     urgent.append_text("Hello")
-    background = []
+    sessions = []
     for seed in (1, 2):
-        session = host.session(priority="background", temperature=1.0, seed=seed)
-        session.append_text("Numbers:")
-        background.append(session.generate(max_tokens=200, constraint=digits))
+        sessions.append(host.session(priority="background", temperature=1.0, seed=seed))
+        sessions[-1].append_text("Numbers:")
+    request = GenerateRequest.of(max_tokens=200, constraint=host.grammars.compile(digits))
+    background = start_together(host, sessions, request)
     gate.generate_while_held(host, urgent, max_tokens=3).collect()
     texts = [generation.collect() for generation in background]
     assert host.stats().preemptions >= 1

@@ -14,7 +14,7 @@ from superfluid.host.log_records import Tokens
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import Sampling
 from superfluid.host.tenants import TenantLoad, check_tenant, namespace, salt_digest
-from tests.gate import Gate, decode_steps_of
+from tests.gate import Gate, decode_steps_of, start_together
 
 PROMPT = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3
 ONE_SEQUENCE = {"llamacpp": {"llamacpp_n_seq_max": 1}, "mlx": {"mlx_max_sequences": 1}}
@@ -178,13 +178,13 @@ def test_one_tenant_alone_is_refused_at_the_limit_as_before(open_host, runtime):
 def test_a_tenant_holding_every_sequence_gives_one_up_to_another_tenant(open_host, runtime, tmp_path):
     gate = Gate(decode_steps_of(lanes=2, count=3))  # both of alice's generations are mid-reply
     host = open_host(gate=gate, **TWO_SEQUENCES[runtime])
-    alices = []
-    for seed in (1, 2):
-        session = host.session(tenant="alice", temperature=0.8, seed=seed)
-        session.append_text(PROMPT)
-        alices.append(session.generate(max_tokens=300, ignore_eos=True))
-    bob = host.session(tenant="bob")
+    bob = host.session(tenant="bob")  # (made first: once the gate holds the engine, a call would wait on it)
     bob.append_text("Hello")
+    sessions = []
+    for seed in (1, 2):
+        sessions.append(host.session(tenant="alice", temperature=0.8, seed=seed))
+        sessions[-1].append_text(PROMPT)
+    alices = start_together(host, sessions, GenerateRequest.of(max_tokens=300, ignore_eos=True))
     gate.wait_reached()
     queued = host.submit(host.commands.generate, bob.id, GenerateRequest.of(max_tokens=3), tenant="bob")
     gate.open()
