@@ -10,7 +10,6 @@ gives (`tokenizers` decodes to str: a lone byte of a character is not one).
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -43,8 +42,10 @@ class HfTokenizer:
         # scheduler thread's next piece wait behind another thread's long prompt.
         self._tokenizer = tokenizer
         self._pieces: dict[int, bytes] = {}  # token -> its bytes (a dict read and set is atomic)
-        decoder = json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
-        self._byte_level = byte_level_alphabet() if '"ByteLevel"' in decoder else None
+        # the decoder's own description (1.5 ms), not the whole tokenizer's (Gemma 3's: 12 MB, 0.33 s)
+        decoder = tokenizer.backend_tokenizer.decoder
+        described = decoder.__getstate__().decode() if decoder is not None else ""
+        self._byte_level = byte_level_alphabet() if '"ByteLevel"' in described else None
         self._specials = {int(i): t.content for i, t in tokenizer.added_tokens_decoder.items()}
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
