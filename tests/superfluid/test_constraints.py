@@ -117,30 +117,14 @@ def test_a_constrained_generation_swapped_out_and_back_goes_on_exactly(open_host
         assert len(text) == 120 and text.isdigit()
 
 
-class _Stuck:
-    """A grammar's place where nothing may come next."""
-
-    vocab_size = 8
-    error = ""
-    stuck = False
-
-    def allowed(self):
-        return np.zeros(8, dtype=bool)
-
-
-def test_a_constraint_that_allows_no_token_is_an_error_naming_it():
-    with pytest.raises(ConstraintError, match="allows no next token"):
-        constrained(np.zeros(8, dtype=np.float32), _Stuck())
-
-
-def test_masked_logits_keep_the_models_own_for_logprobs_and_padded_rows_are_never_drawn():
-    class Some(_Stuck):
-        def allowed(self):
-            return np.array([False, True] * 4)
-    logits = np.arange(10, dtype=np.float32)
-    masked = constrained(logits, Some())
-    assert list(np.isfinite(masked)) == [False, True] * 4 + [False, False]
-    assert logits[0] == 0.0  # the model's own row is untouched
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_masked_logits_keep_the_models_own_and_rows_past_the_vocabulary_are_never_drawn(open_host):
+    host, _ = constrained_host(open_host, "llamacpp")
+    matching = host.grammars.compile(Constraint.choice(["yes", "no"])).start()
+    logits = np.zeros(matching.vocab_size + 2, dtype=np.float32)  # an engine's padded rows
+    masked = constrained(logits, matching)
+    assert list(np.isfinite(masked)) == list(matching.allowed()) + [False, False]
+    assert 0 < np.isfinite(masked).sum() < matching.vocab_size and not np.isinf(logits).any()  # the model's row as it was
 
 
 @pytest.mark.parametrize("runtime", ["llamacpp"])
