@@ -23,15 +23,18 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
+from superfluid.host import tools as tool_calls
 from superfluid.host.errors import ChatError
+from superfluid.host.messages import ROLES, for_template
+from superfluid.host.tools import Tools
 
 # Used when a model ships no template (the tiny test models ship this one too).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-ROLES = ("system", "user", "assistant")
 
 
 class TemplateRewrites(ChatError):
@@ -82,8 +85,11 @@ class ChatTemplate:
         environment.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         try:
             self._template = environment.from_string(source or CHATML)
+            # a template that reads `tools` renders them itself; the others get them described
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source or CHATML))
         except jinja2.TemplateError as exc:
             raise ChatError(f"the model's chat template does not parse: {exc}") from None
+        self.tool_format = tool_calls.format_of(source, self.takes_tools)  # how its model writes a call
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
         self.messages_rendered = 0  # messages handed to the template so far, every rendering together
 
@@ -92,14 +98,21 @@ class ChatTemplate:
         """The text of the special tokens the template is rendered with (bos_token, eos_token)."""
         return dict(self._tokens)
 
-    def render(self, messages: Sequence[dict], generation_prompt: bool = False) -> str:
-        """The conversation as text, ending with the assistant's opening when `generation_prompt`."""
+    def render(self, messages: Sequence[dict], generation_prompt: bool = False, tools: Tools | None = None) -> str:
+        """The conversation as text, ending with the assistant's opening when `generation_prompt`;
+        `tools`: those the conversation offers (rendered by the template where it takes them,
+        else described in a system message: tools.as_plain_messages)."""
         for message in messages:
             if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
                 raise ChatError(f"a chat message needs a role ({', '.join(ROLES)}) and text content; got {message!r}")
         self.messages_rendered += len(messages)
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=generation_prompt,
+        if self.takes_tools:
+            given = [for_template(m) for m in messages]
+            offered = None if tools is None else tools.as_dicts()
+        else:
+            given, offered = tool_calls.as_plain_messages(messages, tools), None
+        try:  # (tools=None where none are offered: as transformers renders, `tools is defined` holds)
+            return self._template.render(messages=given, add_generation_prompt=generation_prompt, tools=offered,
                                          **self._tokens)
         except ChatError:
             raise  # the template's own refusal (raise_exception), in its words
@@ -110,26 +123,29 @@ class ChatTemplate:
             # the list) is its refusal of the conversation, not a fault of the server's
             raise ChatError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
 
-    def turn(self, messages: Sequence[dict], message: dict) -> str:
+    def turn(self, messages: Sequence[dict], message: dict, tools: Tools | None = None) -> str:
         """The text `message` adds after `messages`."""
         # Before the first message nothing is rendered yet; and real templates cannot render an
         # empty conversation (Llama 3's and Qwen's read messages[0]).
-        return self.extend(self.render(messages) if messages else "", [*messages, message])[0]
+        return self.extend(self.render(messages, tools=tools) if messages else "", [*messages, message], tools)[0]
 
-    def extend(self, before: str, messages: Sequence[dict]) -> tuple[str, str]:
+    def extend(self, before: str, messages: Sequence[dict], tools: Tools | None = None) -> tuple[str, str]:
         """(the text the last of `messages` adds, the rendering of them all), where `before` is
         the rendering of the others ("" for none)."""
-        after = self.render(messages)
+        after = self.render(messages, tools=tools)
         return self._difference(before, after), after
 
-    def opening(self, messages: Sequence[dict]) -> str:
+    def opening(self, messages: Sequence[dict], tools: Tools | None = None) -> str:
         """The text that opens the assistant's turn after `messages`."""
-        return self._difference(self.render(messages), self.render(messages, generation_prompt=True))
+        return self._difference(self.render(messages, tools=tools), self.render(messages, True, tools))
 
-    def closing(self, messages: Sequence[dict], reply: str) -> str:
-        """The text the template puts after the assistant's `reply` (its end-of-turn marks)."""
-        opened = self.render(messages, generation_prompt=True) + reply
-        return self._difference(opened, self.render([*messages, {"role": "assistant", "content": reply}]))
+    def closing(self, messages: Sequence[dict], reply: str, tools: Tools | None = None,
+                message: dict | None = None) -> str:
+        """The text the template puts after the assistant's `reply` (its end-of-turn marks);
+        `message`: the assistant's message as kept, where it is not the reply as text (its calls)."""
+        opened = self.render(messages, True, tools) + reply
+        message = {"role": "assistant", "content": reply} if message is None else message
+        return self._difference(opened, self.render([*messages, message], tools=tools))
 
     @staticmethod
     def _difference(before: str, after: str) -> str:

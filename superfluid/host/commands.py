@@ -19,6 +19,7 @@ from superfluid.host.session import Generation, SessionInfo
 from superfluid.host.stats import HostStats
 from superfluid.host.stream import TextStream
 from superfluid.host.tenants import UNNAMED, check_tenant, salt_digest
+from superfluid.host.tools import Tools
 
 
 class Commands:
@@ -59,12 +60,13 @@ class Commands:
         self.sessions.recover(self.kv.pool)
 
     def create(self, session_id: str | None, system: str | None, settings: Sampling, priority: str, *,
-               tenant: str = UNNAMED, cache_salt: str | None = None) -> str:
+               tenant: str = UNNAMED, cache_salt: str | None = None, tools: Tools | None = None) -> str:
         """A new session of `tenant` whose prompts share cached KV only with sessions of the same
-        tenant and `cache_salt` (tenants.py); its id (TooManySessions at the cap)."""
+        tenant and `cache_salt` (tenants.py), its conversation offering `tools`; its id
+        (TooManySessions at the cap)."""
         salt = salt_digest(cache_salt)
         self._check_session_cap()
-        live = self.sessions.open(session_id, settings, priority, check_tenant(tenant), salt)
+        live = self.sessions.open(session_id, settings, priority, check_tenant(tenant), salt, tools)
         if system is not None:
             self.sessions.append_messages(live, [("system", system)])
         return live.state.id
@@ -88,16 +90,16 @@ class Commands:
 
     # ----------------------------------------------------------------------------- appending
 
-    def append_messages(self, session_id: str, messages: list[tuple[str, str]], *, tenant: str | None = None) -> None:
-        """Chat messages (role, content) in turn, rendered here; a long list at once
+    def append_messages(self, session_id: str, messages: list, *, tenant: str | None = None) -> None:
+        """Chat messages (any form messages.ChatMessage.of takes) in turn, rendered here; a long list at once
         (Host.append_messages renders them on the caller's thread instead)."""
         self.sessions.append_messages(self._live(session_id, tenant, idle=True), messages)
 
-    def chat_view(self, session_id: str, *, tenant: str | None = None) -> tuple[int, tuple[dict, ...]]:
-        """(version, messages) of an idle session, to render appended messages against."""
+    def chat_view(self, session_id: str, *, tenant: str | None = None) -> tuple[int, tuple[dict, ...], Tools | None]:
+        """(version, messages, tools) of an idle session, to render appended messages against."""
         return self.sessions.chat_view(self._live(session_id, tenant, idle=True))
 
-    def append_rendered(self, session_id: str, version: int, messages: list[tuple[str, str]],
+    def append_rendered(self, session_id: str, version: int, messages: list[dict],
                         pieces: list[list[int]], *, tenant: str | None = None) -> bool:
         """Messages rendered by the caller against `chat_view`'s version; False if the session
         changed since (nothing is appended: render again)."""

@@ -27,10 +27,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.messages import ChatMessage
+from superfluid.host.tools import Tools
 
-Message = tuple[str, str]  # (role, content)
+Message = ChatMessage
 SEPARATE_RENDERS = 8  # new messages rendered one by one; more are rendered once, together
 
 
@@ -40,47 +43,53 @@ class ConversationCache:
     def __init__(self, template: ChatTemplate, tokenize: Callable[[str], list[int]], conversations: int = 32) -> None:
         """`tokenize`: text to token ids, special tokens parsed (as the session's messages are)."""
         self.template, self.tokenize, self.conversations = template, tokenize, conversations
-        # history -> (its rendering, each message's tokens); the most recently used last. Token
-        # lists are shared between a history and those that continue it, never changed.
-        self._recent: OrderedDict[tuple[str, tuple[Message, ...]], tuple[str, tuple[list[int], ...]]] = OrderedDict()
+        # (namespace, tools offered, history) -> (its rendering, each message's tokens); the most
+        # recently used last. Token lists are shared between a history and those that continue
+        # it, never changed.
+        self._recent: OrderedDict[tuple[str, Tools | None, tuple[Message, ...]],
+                                  tuple[str, tuple[list[int], ...]]] = OrderedDict()
         self.rendered = 0  # messages rendered (the others came from here)
         self._lock = threading.Lock()
 
-    def tokens(self, messages: Sequence[Message], namespace: str = "") -> tuple[list[int], ...]:
-        """Each message's tokens, as appending them one at a time to an empty session gives them
-        (from what was kept for `namespace` only). TemplateRewrites when the template renders an
-        earlier message differently once a later one is added (nothing is kept then)."""
+    def tokens(self, messages: Sequence[Any], namespace: str = "", tools: Tools | None = None
+               ) -> tuple[list[int], ...]:
+        """Each message's (any form ChatMessage.of takes) tokens, as appending them one at a time to an empty session offering
+        `tools` gives them (from what was kept for `namespace` only). TemplateRewrites when the
+        template renders an earlier message differently once a later one is added (nothing is
+        kept then)."""
         with self._lock:
-            return self._tokens(namespace, tuple(messages))
+            return self._tokens((namespace, tools), tuple(ChatMessage.of(m) for m in messages))
 
-    def _tokens(self, namespace: str, history: tuple[Message, ...]) -> tuple[list[int], ...]:
-        # the longest kept history of the namespace this one continues (comparing with each kept
-        # one: trying every prefix of a long history would hash it again and again)
-        shared = max((len(kept) for space, kept in self._recent
-                      if space == namespace and len(kept) <= len(history) and history[:len(kept)] == kept), default=0)
-        text, pieces = self._recent[namespace, history[:shared]] if shared else ("", ())
+    def _tokens(self, space: tuple[str, Tools | None], history: tuple[Message, ...]) -> tuple[list[int], ...]:
+        # the longest kept history of the namespace (and tools) this one continues (comparing
+        # with each kept one: trying every prefix of a long history would hash it again and again)
+        shared = max((len(kept) for *kept_space, kept in self._recent
+                      if tuple(kept_space) == space and len(kept) <= len(history) and history[:len(kept)] == kept),
+                     default=0)
+        text, pieces = self._recent[(*space, history[:shared])] if shared else ("", ())
         if shared:
-            self._recent.move_to_end((namespace, history[:shared]))
-        as_dicts = [{"role": role, "content": content} for role, content in history]
+            self._recent.move_to_end((*space, history[:shared]))
+        tools = space[1]
+        as_dicts = [message.as_dict() for message in history]
         added = []
         # one by one where few are new; else all of them at once (their ends become the piece's)
         ends = (range(shared + 1, len(history) + 1) if len(history) - shared <= SEPARATE_RENDERS
                 else [len(history)])
         for n in ends:
             try:
-                addition, text = self.template.extend(text, as_dicts[:n])
+                addition, text = self.template.extend(text, as_dicts[:n], tools)
             except TemplateRewrites:
                 # a rendering kept here may be what no longer renders alike (a template that
                 # writes today's date): it goes, or every later request would fail on it again
-                self._recent.pop((namespace, history[:shared]), None)
+                self._recent.pop((*space, history[:shared]), None)
                 raise
             added += [[]] * (n - shared - len(added) - 1)  # messages rendered with the next one: no tokens of their own
             added.append(self.tokenize(addition))
         self.rendered += len(added)
         pieces = (*pieces, *added)
         if history:
-            self._recent[namespace, history] = (text, pieces)
-            self._recent.move_to_end((namespace, history))
+            self._recent[(*space, history)] = (text, pieces)
+            self._recent.move_to_end((*space, history))
             while len(self._recent) > self.conversations:
                 self._recent.popitem(last=False)
         return pieces

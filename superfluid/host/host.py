@@ -34,6 +34,7 @@ from superfluid.host.engine_thread import EngineThread
 from superfluid.host.errors import HostClosed, TooManyMessages
 from superfluid.host.interruption import Arrival
 from superfluid.host.log import SessionLog
+from superfluid.host.messages import as_dicts
 from superfluid.host.chat import TemplateRewrites
 from superfluid.host.prompts import PreparedPrompt, PromptBuilder, appended_pieces
 from superfluid.host.request import Priority, Prompt
@@ -41,6 +42,7 @@ from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 from superfluid.host.tenants import UNNAMED, check_tenant, namespace, salt_digest
+from superfluid.host.tools import Tools, ToolUse
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
@@ -172,23 +174,22 @@ class Host:
             return self.prompts.build(prompt, space)
         return self.call(self.prompts.build, prompt, space)
 
-    def append_messages(self, session_id: str, messages: Sequence[tuple[str, str]], *,
-                        tenant: str | None = None) -> None:
-        """Chat messages (role, content) appended to an idle session in turn, rendered and
+    def append_messages(self, session_id: str, messages: Sequence[Any], *, tenant: str | None = None) -> None:
+        """Chat messages (messages.ChatMessage, (role, content) pairs, or dicts in OpenAI's shape,
+        with tool calls and tool results) appended to an idle session in turn, rendered and
         tokenized on the calling thread, so a long conversation or a long message costs its
         caller, not the scheduler thread: the session's messages are read, the new ones rendered
         against them, and the tokens committed only if the session did not change meanwhile
         (else rendered again). A template that rewrites earlier turns, or an adapter without a
         tokenizer for any thread, renders them on the scheduler thread instead. `tenant`: the
         session must be that tenant's (see `session`)."""
-        messages = list(messages)
+        messages = as_dicts(messages)  # (ChatError for a malformed one, before anything is sent)
         self._check_messages(len(messages))
         if self._tokenizes_anywhere:
-            added = [{"role": role, "content": content} for role, content in messages]
             for _ in range(OPTIMISTIC_TRIES):
-                version, before = self.call(self.commands.chat_view, session_id, tenant=tenant)
+                version, before, tools = self.call(self.commands.chat_view, session_id, tenant=tenant)
                 try:
-                    pieces = appended_pieces(self.prompts.template, self.prompts.tokenize, before, added)
+                    pieces = appended_pieces(self.prompts.template, self.prompts.tokenize, before, messages, tools)
                 except TemplateRewrites:
                     break
                 if self.call(self.commands.append_rendered, session_id, version, messages, pieces, tenant=tenant):
@@ -201,7 +202,8 @@ class Host:
                                   "(max_messages, serve's --max-messages): send fewer, or raise the cap")
 
     def session(self, *, id: str | None = None, system: str | None = None, priority: str = "default",
-                tenant: str | None = None, cache_salt: str | None = None, **sampling: Any) -> Session:
+                tenant: str | None = None, cache_salt: str | None = None, tools: Any = None,
+                **sampling: Any) -> Session:
         """A new session (sampling defaults: temperature, top_k, top_p, min_p, repetition_penalty,
         seed), or with `id` alone the existing one of that id (also after a restart).
 
@@ -209,14 +211,20 @@ class Host:
         tenant's, and the Session acts as it: to another tenant the session does not exist, and
         its prompts share cached KV only with its own tenant's sessions (with `cache_salt`, only
         with sessions made with the same salt; superfluid/host/tenants.py). None: a new session
-        is the unnamed tenant's, and an existing one is found whoever owns it."""
-        if id is not None and system is None and not sampling and cache_salt is None:
+        is the unnamed tenant's, and an existing one is found whoever owns it.
+
+        `tools` (OpenAI's list of functions, or a tools.Tools): what its conversation offers the
+        model, rendered by the chat template (described in a system message where the template
+        takes none) and kept in the log; `Session.generate(tool_choice=...)` lets the model call
+        them (superfluid/host/tools.py). ToolError naming what is wrong with them."""
+        if id is not None and system is None and not sampling and cache_salt is None and tools is None:
             self.call(self.commands.info, id, tenant=tenant)  # SessionNotFound if there is none (of the tenant)
             return Session(self, id, tenant)
         priority = str(Priority.named(priority))  # ValueError naming the classes
         settings = sampler.Sampling(**sampling)
         created = self.call(self.commands.create, id, system, settings, priority,
-                            tenant=UNNAMED if tenant is None else tenant, cache_salt=cache_salt)
+                            tenant=UNNAMED if tenant is None else tenant, cache_salt=cache_salt,
+                            tools=None if tools is None else Tools.of(tools))
         return Session(self, created, tenant)
 
     def sessions(self, *, tenant: str | None = None) -> list[SessionInfo]:

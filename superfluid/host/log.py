@@ -15,8 +15,8 @@ On open the log replays into one state per session. A torn tail (a crash mid-wri
 no intact frame after it) is cut off. Damage with intact frames after it, or a record missing
 from a session's numbering, is damage in the middle: replay refuses to start, names the byte, and
 changes nothing on disk; `superfluid log check DIR` says what a repair would keep and drop, and
-`superfluid log repair DIR` does it (log_repair.py). A log of format 1 is read and rewritten as
-format 2. Compaction rewrites the log as one snapshot per live session (deleted sessions and
+`superfluid log repair DIR` does it (log_repair.py). A log of format 1 or 2 is read and rewritten as
+format 3 (log_format.py). Compaction rewrites the log as one snapshot per live session (deleted sessions and
 superseded records go) into a new file renamed over the old one.
 
 The log holds every conversation's text: its directory is created 0700 and its files 0600, and

@@ -2,8 +2,14 @@
 kept private.
 
     file      b"SFLOG\\0" + version (u16 LE), then frames
-    version 2 length (u32) | number (u32) | xxh3-64 of the payload (u64) | check (u32) | payload
-    version 1 length (u32) | xxh3-64 of the payload (u64) | payload           (read, never written)
+    version 2, 3  length (u32) | number (u32) | xxh3-64 of the payload (u64) | check (u32) | payload
+    version 1     length (u32) | xxh3-64 of the payload (u64) | payload     (read, never written)
+
+Version 3 frames are version 2's; what changed is what their records may say: a session's tools,
+a message's tool calls and the call a tool message answers. A release that reads only versions 1
+and 2 would drop those fields without a word and render the conversation otherwise, so it
+refuses a version 3 log whole; this one reads a version 1 or 2 log and rewrites it as version 3
+when it opens it (the compaction).
 
 All little-endian. A version 2 frame's `check` is the low 32 bits of the xxh3-64 of the 16 bytes
 before it, so a frame header detects its own damage: a flipped bit in a length can no longer
@@ -34,14 +40,14 @@ import xxhash
 from superfluid.host.errors import LogBusy, LogCorrupt
 
 MAGIC = b"SFLOG\0"
-VERSION = 2  # the version written; 1 is still read
-READABLE = (1, 2)
+VERSION = 3  # the version written; 1 and 2 are still read
+READABLE = (1, 2, 3)
 MAX_RECORD = 64 << 20  # the largest payload a frame may carry (checked on write and on read)
 _VERSION_FIELD = struct.Struct("<H")
 _V1 = struct.Struct("<IQ")  # length, digest
 _V2 = struct.Struct("<IIQI")  # length, number, digest, check
 _V2_CHECKED = struct.Struct("<IIQ")  # the part of a version 2 header its check covers
-HEADER_BYTES = {1: _V1.size, 2: _V2.size}
+HEADER_BYTES = {1: _V1.size, 2: _V2.size, 3: _V2.size}
 FILE_NAME = "sessions.log"
 LOCK_NAME = "sessions.lock"  # flock'ed by the Host using the directory (the kernel drops it with the process)
 
@@ -72,7 +78,7 @@ class Damage(NamedTuple):
 
 
 def frame(payload: bytes, number: int) -> bytes:
-    """`payload` framed as version 2, the `number`th record of its session. ValueError past
+    """`payload` framed as version 2 and 3 frame it, the `number`th record of its session. ValueError past
     MAX_RECORD: the reader would refuse the frame, so it is never written."""
     if len(payload) > MAX_RECORD:
         raise ValueError(f"a session log record of {len(payload)} bytes is over the {MAX_RECORD}-byte limit")

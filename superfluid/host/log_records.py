@@ -17,15 +17,17 @@ import msgspec
 from superfluid.host import tenants
 from superfluid.host.errors import LogCorrupt
 from superfluid.host.sampling import Sampling
+from superfluid.host.tools import ToolError, Tools
 
 # The most tokens one Tokens record carries (at most 5 bytes each in msgpack: 5 MiB, far below
 # the size a reader accepts): a snapshot splits a longer session's tokens.
 TOKENS_PER_RECORD = 1 << 20
 
 
-class Opened(msgspec.Struct, tag="open"):
+class Opened(msgspec.Struct, tag="open", omit_defaults=True):
     """A session was created (a fork names its parent) by `tenant` ("" the unnamed one: every
-    session of a log written before tenants), whose `cache_salt` has digest `salt` (tenants.py)."""
+    session of a log written before tenants), whose `cache_salt` has digest `salt` (tenants.py),
+    offering `tools` to the model (OpenAI's shape; None: none; format 3 on)."""
 
     session: str
     created: float
@@ -34,6 +36,7 @@ class Opened(msgspec.Struct, tag="open"):
     parent: str | None = None
     tenant: str = ""
     salt: str = ""
+    tools: list[dict] | None = None
 
 
 class Tokens(msgspec.Struct, tag="tokens"):
@@ -47,14 +50,32 @@ class Tokens(msgspec.Struct, tag="tokens"):
     opens_turn: bool = False
 
 
-class Turn(msgspec.Struct, tag="turn"):
+class Turn(msgspec.Struct, tag="turn", omit_defaults=True):
     """A chat message added to a session's conversation, whose tokens end at position `end`
-    (they come in Tokens records)."""
+    (they come in Tokens records): an assistant's `tool_calls`, or the call a tool message
+    answers (`tool_call_id`, and the tool's `name`), in OpenAI's shape (format 3 on)."""
 
     session: str
     role: str
     content: str
     end: int
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, session: str, message: dict, end: int) -> Turn:
+        """The record of `message` (as a session keeps it: messages.ChatMessage.as_dict)."""
+        return cls(session, message["role"], message["content"], end, message.get("tool_calls"),
+                   message.get("tool_call_id"), message.get("name"))
+
+    def message(self) -> dict:
+        """The message as a session keeps it."""
+        out = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class Trimmed(msgspec.Struct, tag="trim"):
@@ -99,6 +120,7 @@ class SessionState:
     tenant: str = ""  # its owner (tenants.py)
     salt: str = ""  # the digest of its creator's cache_salt ("" without one)
     open_turn: tuple[int, int] | None = None  # [start, end) of the opening of an assistant turn not closed yet
+    tools: Tools | None = None  # the tools its conversation offers the model
 
     @property
     def namespace(self) -> str:
@@ -108,8 +130,8 @@ class SessionState:
     def snapshot(self) -> list[Record]:
         """The records that recreate this state."""
         records: list[Record] = [Opened(self.id, self.created, self.sampling, self.priority, self.parent,
-                                        self.tenant, self.salt)]
-        records += [Turn(self.id, m["role"], m["content"], end) for m, end in zip(self.messages, self.message_ends)]
+                                        self.tenant, self.salt, None if self.tools is None else self.tools.as_dicts())]
+        records += [Turn.of(self.id, m, end) for m, end in zip(self.messages, self.message_ends)]
         # a long session's tokens in several records, so none nears the size a reader accepts;
         # an open turn's opening in one of its own, marked as it was
         cuts = set(range(0, len(self.tokens), TOKENS_PER_RECORD)) | set(self.open_turn or ())
@@ -143,7 +165,8 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
     check(record, None if state is None else len(state.tokens), where)
     if isinstance(record, Opened):
         states[record.session] = SessionState(record.session, record.created, record.sampling, record.priority,
-                                              record.parent, tenant=record.tenant, salt=record.salt)
+                                              record.parent, tenant=record.tenant, salt=record.salt,
+                                              tools=_tools(record, where))
         return
     state = states.get(record.session)
     if state is None:
@@ -153,7 +176,7 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
             state.open_turn = (record.start, record.start + len(record.tokens))
         state.tokens.extend(record.tokens)
     elif isinstance(record, Turn):
-        state.messages.append({"role": record.role, "content": record.content})
+        state.messages.append(record.message())
         state.message_ends.append(record.end)
         state.open_turn = None  # (what closes a turn is a message)
     elif isinstance(record, Trimmed):
@@ -168,6 +191,15 @@ def apply(states: dict[str, SessionState], record: Record, where: str = "") -> N
         state.parked = (record.entry, record.tokens)
     elif isinstance(record, Deleted):
         del states[record.session]
+
+
+def _tools(record: Opened, where: str) -> Tools | None:
+    """The tools an Opened record offers (LogCorrupt where they are not tools)."""
+    try:
+        return None if record.tools is None else Tools.of(record.tools)
+    except ToolError as exc:
+        raise LogCorrupt(f"session log{where}: session {record.session!r} opens with tools that are not ({exc}); "
+                         "the log is not one superfluid wrote. Move it aside to start empty") from None
 
 
 def undo_of(states: dict[str, SessionState], record: Record) -> Callable[[], None]:

@@ -17,7 +17,9 @@ import msgspec
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
 from superfluid.host.conversation_cache import SEPARATE_RENDERS, ConversationCache
+from superfluid.host.messages import ChatMessage
 from superfluid.host.request import Prompt
+from superfluid.host.tools import Tools
 
 
 class PreparedPrompt(msgspec.Struct, frozen=True):
@@ -50,17 +52,19 @@ class PromptBuilder:
         asks for one; renderings are reused within `namespace` only (conversation_cache.py).
         ChatError for messages the template refuses."""
         if prompt.messages:
-            messages = [{"role": role, "content": content} for role, content in prompt.messages]
+            given = tuple(ChatMessage.of(m) for m in prompt.messages)
+            messages = [m.as_dict() for m in given]
+            tools = prompt.tools
             try:
-                pieces = self.conversations.tokens(prompt.messages, namespace)
+                pieces = self.conversations.tokens(given, namespace, tools)
                 tokens, ends = [], []
                 for piece in pieces:
                     tokens += piece
                     ends.append(len(tokens))
             except TemplateRewrites:  # a template that rewrites earlier turns: the whole, rendered once
-                tokens = self.tokenize(self.template.render(messages))
+                tokens = self.tokenize(self.template.render(messages, tools=tools))
                 ends = [len(tokens)] * len(messages)
-            opening = self.tokenize(self.template.opening(messages))
+            opening = self.tokenize(self.template.opening(messages, tools))
         else:
             tokens, messages, ends, opening = [], [], [], []
         if prompt.text is not None:
@@ -73,18 +77,18 @@ class PromptBuilder:
 
 
 def appended_pieces(template: ChatTemplate, tokenize: Callable[[str], list[int]], before: Sequence[dict],
-                    added: Sequence[dict]) -> list[list[int]]:
+                    added: Sequence[dict], tools: Tools | None = None) -> list[list[int]]:
     """The tokens that messages `added` add after a conversation of `before`: one piece per
     message (each ends where its piece does), or past SEPARATE_RENDERS of them one piece for all
     (rendered once: one at a time costs the square of their number; each then ends where they all
     end). TemplateRewrites where the template renders earlier turns otherwise once these follow.
     Pure: any thread may call it (on the caller's side for a session, Host.append_messages)."""
     if len(added) > SEPARATE_RENDERS:
-        text, _ = template.extend(template.render(before) if before else "", [*before, *added])
+        text, _ = template.extend(template.render(before, tools=tools) if before else "", [*before, *added], tools)
         return [tokenize(text)]
     pieces, messages = [], list(before)
     for message in added:
-        pieces.append(tokenize(template.turn(messages, message)))
+        pieces.append(tokenize(template.turn(messages, message, tools)))
         messages.append(message)
     return pieces
 

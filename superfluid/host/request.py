@@ -70,6 +70,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # alternatives each piece's logprobs list (None: no logprobs)
     streamed: bool = True
     constraint: Any = None  # a constraints.Compiled the output must match (compiled by the caller), or None
+    tools: Any = None  # a tools.ToolUse: the reply is read for calls of them (None: no tools)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -106,11 +107,13 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    """What a one-shot request starts from: chat messages as (role, content) pairs, rendered by
-    the model's template, or a text tokenized as it is."""
+    """What a one-shot request starts from: chat messages (ChatMessage, or (role, content)
+    pairs, or dicts in OpenAI's shape), rendered by the model's template with the `tools` the
+    conversation offers (a tools.Tools), or a text tokenized as it is."""
 
-    messages: tuple[tuple[str, str], ...] = ()
+    messages: tuple[Any, ...] = ()
     text: str | None = None
+    tools: Any = None
 
     def __post_init__(self) -> None:
         if not self.messages and self.text is None:

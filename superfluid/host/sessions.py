@@ -35,8 +35,10 @@ from superfluid.host.errors import ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog
 from superfluid.host.log_records import Deleted, Opened, Parked, Record, SessionState, Tokens, Trimmed, Turn
+from superfluid.host.messages import ChatMessage, as_dicts
 from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
 from superfluid.host.sampling import Sampling
+from superfluid.host.tools import Tools
 from superfluid.host.session import SessionInfo
 
 if TYPE_CHECKING:
@@ -116,10 +118,13 @@ class Sessions:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def open(self, session_id: str | None, settings: Sampling, priority: str, tenant: str = "", salt: str = "") -> Live:
-        """A new session (`session_id`, or a fresh id) of `tenant`, its cache salt's digest `salt`."""
+    def open(self, session_id: str | None, settings: Sampling, priority: str, tenant: str = "", salt: str = "",
+             tools: Tools | None = None) -> Live:
+        """A new session (`session_id`, or a fresh id) of `tenant`, its cache salt's digest `salt`,
+        its conversation offering `tools`."""
         session_id = self._new_id(session_id, "resume it with Host.session(id=...)")
-        self.log.append(Opened(session_id, time.time(), settings, priority, tenant=tenant, salt=salt))
+        self.log.append(Opened(session_id, time.time(), settings, priority, tenant=tenant, salt=salt,
+                               tools=None if tools is None else tools.as_dicts()))
         live = self.durable[session_id] = Live(self.log.states[session_id])
         self.owned[tenant] += 1
         live.last_used, live.idle_since = self.order(), self.clock()
@@ -234,29 +239,29 @@ class Sessions:
             self._chat = chat_template(self.descriptor, self.engine)
         return self._chat
 
-    def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...]]:
-        """What appending messages renders against: (`live`'s version, its messages). A caller
-        renders on its own thread and hands the tokens to `append_rendered` with that version."""
-        return live.version, tuple(live.state.messages)
+    def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...], Tools | None]:
+        """What appending messages renders against: (`live`'s version, its messages, the tools its
+        conversation offers). A caller renders on its own thread and hands the tokens to
+        `append_rendered` with that version."""
+        return live.version, tuple(live.state.messages), live.state.tools
 
-    def append_messages(self, live: Live, messages: Sequence[tuple[str, str]]) -> None:
-        """Chat messages (role, content) in turn, rendered here (`appended_pieces`: a long list
-        at once), in one record."""
-        added = [{"role": role, "content": content} for role, content in messages]
+    def append_messages(self, live: Live, messages: Sequence[Any]) -> None:
+        """Chat messages (messages.ChatMessage, or their pair or dict forms) in turn, rendered here
+        (`appended_pieces`: a long list at once), in one record."""
+        added = as_dicts(messages)
         try:
-            pieces = appended_pieces(self.template(), self._tokenize, live.state.messages, added)
+            pieces = appended_pieces(self.template(), self._tokenize, live.state.messages, added, live.state.tools)
         except TemplateRewrites:
             self._rerender(live, *added)
             return
         self._commit_messages(live, added, pieces)
 
-    def append_rendered(self, live: Live, version: int, messages: Sequence[tuple[str, str]],
-                        pieces: list[list[int]]) -> bool:
-        """Messages rendered by the caller against `chat_view`'s `version`: committed if `live`
-        has not changed since (True), else nothing (False: render again)."""
+    def append_rendered(self, live: Live, version: int, messages: Sequence[dict], pieces: list[list[int]]) -> bool:
+        """Messages (as a session keeps them) rendered by the caller against `chat_view`'s
+        `version`: committed if `live` has not changed since (True), else nothing (False: render again)."""
         if live.version != version:
             return False
-        self._commit_messages(live, [{"role": role, "content": content} for role, content in messages], pieces)
+        self._commit_messages(live, list(messages), pieces)
         return True
 
     def _commit_messages(self, live: Live, added: list[dict], pieces: list[list[int]]) -> None:
@@ -268,7 +273,7 @@ class Sessions:
         if len(pieces) != len(added):  # rendered at once: each ends where they all end
             ends = [ends[-1]] * len(added)
         self._check_room(live, len(tokens), f"{len(added)} message(s) of ")
-        self.commit(live, tokens, *(Turn(state.id, m["role"], m["content"], end) for m, end in zip(added, ends)))
+        self.commit(live, tokens, *(Turn.of(state.id, m, end) for m, end in zip(added, ends)))
 
     def _tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text, special=True)
@@ -281,13 +286,13 @@ class Sessions:
         they go too."""
         state = live.state
         messages = [*state.messages, *added]
-        tokens = self.engine.tokenize(self.template().render(messages), special=True)
+        tokens = self.engine.tokenize(self.template().render(messages, tools=state.tools), special=True)
         keep = next((i for i, (a, b) in enumerate(zip(tokens, state.tokens)) if a != b), min(len(tokens),
                                                                                              len(state.tokens)))
         records = []
         kept = sum(1 for end in state.message_ends if end <= keep)  # the messages the cut leaves whole
         # where a rewritten message ends inside the new text is unknown: each ends with the whole
-        records += [Turn(state.id, m["role"], m["content"], len(tokens)) for m in messages[kept:]]
+        records += [Turn.of(state.id, m, len(tokens)) for m in messages[kept:]]
         self._check_room(live, len(tokens) - len(state.tokens), f"{len(added)} message(s) of ")
         if keep < len(state.tokens):
             self.kv.cut(live, keep)
@@ -337,7 +342,7 @@ class Sessions:
         """The tokens that open the assistant's turn in a chat session (none outside a chat)."""
         if not live.state.messages:
             return []
-        return self.engine.tokenize(self.template().opening(live.state.messages), special=True)
+        return self.engine.tokenize(self.template().opening(live.state.messages, live.state.tools), special=True)
 
     def close_turn(self, live: Live, job: Job) -> None:
         """After a chat generation: the assistant's message, and the template's end-of-turn text.
@@ -345,25 +350,34 @@ class Sessions:
         which brings the reply with it (and its KV is parked without the closing, never fed)."""
         if not live.state.messages or not live.durable:
             return
-        self._close(live, live.state.tokens[job.first:], job.stream.text)
+        message = None
+        use = job.request.tools
+        if use is not None and use.reads_calls:  # the calls it made are kept as calls (OpenAI's shape)
+            content, calls = use.parse(job.stream.text)
+            if calls:
+                message = ChatMessage("assistant", content or "", tuple(calls)).as_dict()
+        self._close(live, live.state.tokens[job.first:], job.stream.text, message)
 
-    def _close(self, live: Live, produced: list[int], text: str) -> None:
+    def _close(self, live: Live, produced: list[int], text: str, message: dict | None = None) -> None:
         """Close the assistant's turn whose tokens since its opening are `produced` and whose reply
-        (as its reader saw it: stop strings held back) is `text`."""
+        (as its reader saw it: stop strings held back) is `text`; `message`: the assistant's
+        message as kept, where it is more than that text (the calls it made)."""
         eos = self.descriptor.eos_tokens
         ended = bool(produced) and produced[-1] in eos
         reply = self.engine.detokenize(produced[:-1] if ended else produced).decode(errors="replace")
+        message = {"role": "assistant", "content": text} if message is None else message
         try:
-            closing = self.template().closing(live.state.messages, reply)
+            closing = self.template().closing(live.state.messages, reply, live.state.tools, message)
         except TemplateRewrites:  # the reply renders otherwise than it was written (a template that
-            # strips reasoning, or trims the reply): the session takes what the template renders
-            self._rerender(live, {"role": "assistant", "content": text})
+            # strips reasoning, or trims the reply; calls laid out otherwise): the session takes
+            # what the template renders
+            self._rerender(live, message)
             return
         if ended:
             mark = self.engine.detokenize([produced[-1]]).decode(errors="replace")
             closing = closing[len(mark):] if closing.startswith(mark) else closing
         tokens = self.engine.tokenize(closing, special=True) if closing else []
-        self.commit(live, tokens, Turn(live.state.id, "assistant", text, len(live.state.tokens) + len(tokens)))
+        self.commit(live, tokens, Turn.of(live.state.id, message, len(live.state.tokens) + len(tokens)))
 
     def close_left_open(self, live: Live) -> bool:
         """Close the assistant's turn a crash or a refused write left open (a generation's opening

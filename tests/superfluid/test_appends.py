@@ -50,11 +50,11 @@ def test_a_session_that_changes_while_its_message_renders_is_rendered_again(open
     rendered = []
     real = host_module.appended_pieces
 
-    def meanwhile(template, tokenize, before, added):  # another thread appends as this one renders
+    def meanwhile(template, tokenize, before, added, tools):  # another thread appends as this one renders
         if not rendered:
             host.call(host.commands.append_messages, session.id, [("assistant", "Hi!")])
         rendered.append(len(before))
-        return real(template, tokenize, before, added)
+        return real(template, tokenize, before, added, tools)
 
     monkeypatch.setattr(host_module, "appended_pieces", meanwhile)
     session.append_message("user", "How are you?")
@@ -69,9 +69,9 @@ def test_a_session_that_keeps_changing_is_rendered_on_the_scheduler_thread(open_
     session = host.session()
     real = host_module.appended_pieces
 
-    def always(template, tokenize, before, added):
+    def always(template, tokenize, before, added, tools):
         host.call(host.commands.append_text, session.id, " and")  # changes every time: never current
-        return real(template, tokenize, before, added)
+        return real(template, tokenize, before, added, tools)
 
     monkeypatch.setattr(host_module, "appended_pieces", always)
     before = scheduler_renders(host)

@@ -166,9 +166,9 @@ class Dated(ChatTemplate):
 
     day = 1
 
-    def render(self, messages, generation_prompt=False):
+    def render(self, messages, generation_prompt=False, tools=None):
         """The day, then ChatML."""
-        return f"day {self.day}\n" + super().render(messages, generation_prompt)
+        return f"day {self.day}\n" + super().render(messages, generation_prompt, tools)
 
 
 def test_a_history_that_no_longer_renders_alike_is_forgotten():

@@ -1,0 +1,527 @@
+"""Tool calls: the tools a conversation offers, how the model's own format writes a call, the
+grammar that makes a generation one, and reading calls back out of what the model wrote.
+
+Each model family writes a call its own way, which its chat template shows when it renders an
+assistant message that made one (and, for most, tells the model in the tools' description):
+
+    hermes        <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   Qwen 2.5 and 3,
+                  several in a row, a newline between                            Hermes 2 and 3
+    llama3        {"name": "f", "parameters": {...}}  one call, nothing else      Llama 3.1 to 3.3
+    mistral       [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]            Mistral Nemo
+    mistral_args  [TOOL_CALLS]f[ARGS]{...}, repeated                              Mistral Small 3.2
+
+`format_of` reads which one from the template's source. A template that takes no tools (its
+source never reads `tools`: ChatML, SmolLM2's, Gemma's) gets them described in a system message
+that asks for the hermes format, and sees earlier calls and their results written in it
+(`as_plain_messages`).
+
+With `tool_choice` "required" or a named function, the output is constrained (`grammar`) to
+calls in the model's format of the offered tools, each call's arguments valid under its
+`parameters` schema and its JSON laid out as the templates render it (`", "` and `": "`), so the
+session keeps the very tokens a re-rendering gives. With "auto" the model writes what it will
+and its calls are read back (`parse`, or `CallStream` while streaming); text that does not make
+a well-formed call of an offered tool stays text, never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from superfluid.host.constraints import Constraint, closed
+from superfluid.host.errors import SuperfluidError
+from superfluid.host.messages import ToolCall
+
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args")
+CHOICES = ("none", "auto", "required", "function")
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function's name (and a dot, MCP's)
+MAX_TOOLS = 128  # OpenAI's own limit on the tools of one request
+# The JSON of a call as the templates render it (`tojson`: json.dumps' separators), no other whitespace
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolError(SuperfluidError, ValueError):
+    """Tools or a tool choice that cannot be used as given (the message names what to change)."""
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """One function the model may call: its name, what it does, and the JSON schema of its
+    arguments (as JSON text: a Tool is hashable)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+    def as_dict(self) -> dict:
+        """OpenAI's shape, as templates read it and sessions keep it."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": function}
+
+
+class Tools(msgspec.Struct, frozen=True):
+    """The tools a conversation offers, in the order given."""
+
+    tools: tuple[Tool, ...]
+
+    @classmethod
+    def of(cls, value: Any) -> Tools:
+        """Tools from OpenAI's shape (`[{"type": "function", "function": {"name", "description",
+        "parameters"}}]`) or Tools; ToolError naming what is wrong."""
+        if isinstance(value, Tools):
+            return value
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+            raise ToolError("`tools` is a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+        if len(value) > MAX_TOOLS:
+            raise ToolError(f"{len(value)} tools; at most {MAX_TOOLS} are taken")
+        tools = []
+        for entry in value:
+            function = entry.get("function") if isinstance(entry, Mapping) else None
+            if not isinstance(function, Mapping) or entry.get("type", "function") != "function":
+                raise ToolError(f"a tool is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}; got {entry!r}")
+            name = function.get("name")
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise ToolError(f"a function's name is 1 to 64 letters, digits, '_', '-' or '.'; got {name!r}")
+            parameters = function.get("parameters", {"type": "object", "properties": {}})
+            if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+                raise ToolError(f"the parameters of {name!r} must be a JSON schema of an object")
+            description = function.get("description") or ""
+            if not isinstance(description, str):
+                raise ToolError(f"the description of {name!r} must be text")
+            tools.append(Tool(name, description, json.dumps(parameters, ensure_ascii=False)))
+        names = [t.name for t in tools]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ToolError(f"the tools {repeated} are given more than once; each name once")
+        return cls(tuple(tools))
+
+    def as_dicts(self) -> list[dict]:
+        """OpenAI's shape."""
+        return [tool.as_dict() for tool in self.tools]
+
+    def named(self, name: str) -> Tool | None:
+        """The tool called `name` (None: not offered)."""
+        return next((tool for tool in self.tools if tool.name == name), None)
+
+
+class ToolUse(msgspec.Struct, frozen=True):
+    """How one generation may use the conversation's tools: `choice` none, auto, required or
+    function (then `function` names it); `parallel`: several calls in one reply; `format`: the
+    model's (FORMATS); `markers`: the ids of the format's marks that are single special tokens of
+    the vocabulary ([TOOL_CALLS], [ARGS]), which a constrained call writes as those tokens."""
+
+    tools: Tools
+    choice: str = "auto"
+    function: str | None = None
+    parallel: bool = True
+    format: str = "hermes"
+    markers: Mapping[str, int] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.choice not in CHOICES:
+            raise ToolError(f"tool choice {self.choice!r}: use none, auto, required, or a function")
+        if (self.choice == "function") != (self.function is not None):
+            raise ToolError("a named tool choice names its function (and only that choice names one)")
+        if self.function is not None and self.tools.named(self.function) is None:
+            raise ToolError(f"`tool_choice` names the function {self.function!r}, which is not among the tools "
+                            f"({', '.join(t.name for t in self.tools.tools)})")
+        if self.format not in FORMATS:
+            raise ToolError(f"tool call format {self.format!r}: one of {', '.join(FORMATS)}")
+
+    @classmethod
+    def of(cls, tools: Any, choice: Any = None, parallel: bool | None = None, *, format: str = "hermes",
+           markers: Mapping[str, int] | None = None) -> ToolUse:
+        """From OpenAI's fields: `tools`, `tool_choice` ("none", "auto", "required", or
+        {"type": "function", "function": {"name": ...}}; None: auto), `parallel_tool_calls`
+        (None: true, OpenAI's default). ToolError naming what is wrong."""
+        function = None
+        if choice is None:
+            choice = "auto"
+        elif isinstance(choice, Mapping):
+            named = choice.get("function")
+            if choice.get("type", "function") != "function" or not isinstance(named, Mapping) \
+                    or not isinstance(named.get("name"), str):
+                raise ToolError("a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            choice, function = "function", named["name"]
+        elif choice not in ("none", "auto", "required"):
+            raise ToolError(f"`tool_choice` {choice!r}: use none, auto, required, or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return cls(Tools.of(tools), choice, function, parallel is not False, format, dict(markers or {}))
+
+    @property
+    def constrains(self) -> bool:
+        """The output must be calls (required, or a named function)."""
+        return self.choice in ("required", "function")
+
+    @property
+    def reads_calls(self) -> bool:
+        """What the model writes is read for calls (every choice but none)."""
+        return self.choice != "none"
+
+    @property
+    def several(self) -> bool:
+        """More than one call may come in one reply (Llama 3's templates take one at most)."""
+        return self.parallel and self.format != "llama3" and self.function is None
+
+    # ------------------------------------------------------------------------- constraining
+
+    def constraint(self) -> Constraint | None:
+        """The constraint that makes the output calls of the tools (None where nothing constrains)."""
+        return Constraint.lark(self.grammar()) if self.constrains else None
+
+    def grammar(self) -> str:
+        """A Lark grammar (llguidance's dialect) of replies that are only calls, in the format."""
+        offered = [self.tools.named(self.function)] if self.function else list(self.tools.tools)
+        rules = [f"f{i}: %json {json.dumps(self._call_schema(tool), ensure_ascii=False)}"
+                 for i, tool in enumerate(offered)]
+        calls = " | ".join(f"f{i}" for i in range(len(offered)))
+        if self.format == "hermes":
+            top = [f'call: "{HERMES_OPEN}\\n" ({calls}) "\\n{HERMES_CLOSE}"']
+            start = 'start: call ("\\n" call)*' if self.several else "start: call"
+        elif self.format == "llama3":
+            top, start = [], f"start: {calls}"
+        elif self.format == "mistral":
+            top = [f"call: {calls}"]
+            start = f'start: {self._mark(MISTRAL_CALLS)} "[" call ' + ('(", " call)* "]"' if self.several else '"]"')
+        else:  # mistral_args: the name as text between the marks, then the arguments' JSON
+            rules = [f"f{i}: {json.dumps(tool.name)} {self._mark(MISTRAL_ARGS)} %json "
+                     f"{json.dumps(self._arguments_schema(tool), ensure_ascii=False)}" for i, tool in enumerate(offered)]
+            top = [f"call: {self._mark(MISTRAL_CALLS)} ({calls})"]
+            start = "start: call+" if self.several else "start: call"
+        return "\n".join([start, *top, *rules]) + "\n"
+
+    def _mark(self, mark: str) -> str:
+        """A format's mark in the grammar: its special token where it is one, else its text."""
+        token = self.markers.get(mark)
+        return f"<[{token}]>" if token is not None else json.dumps(mark)
+
+    def _arguments_schema(self, tool: Tool) -> dict:
+        # closed as constraints close objects (a small model otherwise adds keys until max_tokens)
+        return {"x-guidance": CALL_JSON, **closed(json.loads(tool.parameters))}
+
+    def _call_schema(self, tool: Tool) -> dict:
+        key = "parameters" if self.format == "llama3" else "arguments"
+        arguments = closed(json.loads(tool.parameters))
+        return {"x-guidance": CALL_JSON, "type": "object", "properties": {"name": {"const": tool.name},
+                                                                          key: arguments},
+                "required": ["name", key], "additionalProperties": False}
+
+    # ------------------------------------------------------------------------- reading calls
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside calls, None if there is none; the calls `text` makes). A call that is
+        malformed or names a function not offered is left in the text."""
+        if not self.reads_calls:
+            return (text or None), []
+        content, calls = _PARSERS[self.format](text, self)
+        content = content.strip()
+        return (content or None), calls
+
+    def stream(self) -> CallStream:
+        """A reader of the reply as it streams, telling text from calls."""
+        return CallStream(self)
+
+    def new_id(self) -> str:
+        """An id for a call the model made (Mistral's templates take 9 letters and digits)."""
+        if self.format.startswith("mistral"):
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
+
+    def _call(self, name: Any, arguments: Any) -> ToolCall | None:
+        """A call of an offered tool, its arguments an object (given as one, or as its JSON text)."""
+        if not isinstance(name, str) or self.tools.named(name) is None:
+            return None
+        if self.function is not None and name != self.function:
+            return None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(self.new_id(), name, json.dumps(arguments, ensure_ascii=False))
+
+    # (the openers a streamed reply is watched for: text before one is the reply's text)
+    def openers(self) -> tuple[str, ...]:
+        """The text that begins a call in this format."""
+        if self.format == "hermes":
+            return (HERMES_OPEN,)
+        if self.format == "llama3":
+            return (LLAMA_PYTHON_TAG, "{")
+        return (MISTRAL_CALLS,)
+
+
+def _json_prefix(text: str) -> tuple[Any, int] | None:
+    """The JSON value `text` starts with (after whitespace) and where it ends; None if none."""
+    start = len(text) - len(text.lstrip())
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+
+
+def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+    kept, calls, at = [], [], 0
+    while (opened := text.find(HERMES_OPEN, at)) >= 0:
+        body_start = opened + len(HERMES_OPEN)
+        closing = text.find(HERMES_CLOSE, body_start)
+        end = len(text) if closing < 0 else closing + len(HERMES_CLOSE)  # an unclosed last call: to the end
+        found = _json_prefix(text[body_start:closing if closing >= 0 else len(text)])
+        call = None
+        if found is not None and isinstance(found[0], dict):
+            call = use._call(found[0].get("name"), found[0].get("arguments", found[0].get("parameters")))
+        if call is None:  # not a call: stays text
+            kept.append(text[at:end])
+        else:
+            kept.append(text[at:opened])
+            calls.append(call)
+        at = end
+    kept.append(text[at:])
+    return "".join(kept), calls
+
+
+def _parse_llama3(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+    body = text.strip()
+    body = body[len(LLAMA_PYTHON_TAG):] if body.startswith(LLAMA_PYTHON_TAG) else body
+    calls = []
+    for part in _split_top_level(body, ";"):  # a few fine-tunes write several, ";" between them
+        found = _json_prefix(part)
+        if found is None or part[found[1]:].strip() or not isinstance(found[0], dict):
+            return text, []
+        call = use._call(found[0].get("name"), found[0].get("parameters", found[0].get("arguments")))
+        if call is None:
+            return text, []
+        calls.append(call)
+    return "", calls
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at `separator` outside JSON strings and brackets."""
+    parts, depth, quoted, escaped, start = [], 0, False, False, 0
+    for i, char in enumerate(text):
+        if quoted:
+            escaped, quoted = (False, quoted) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [part for part in parts if part.strip()]
+
+
+def _parse_mistral(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+    opened = text.find(MISTRAL_CALLS)
+    if opened < 0:
+        return text, []
+    found = _json_prefix(text[opened + len(MISTRAL_CALLS):])
+    if found is None or not isinstance(found[0], list):
+        return text, []
+    calls = []
+    for entry in found[0]:
+        call = use._call(entry.get("name"), entry.get("arguments")) if isinstance(entry, dict) else None
+        if call is None:
+            return text, []
+        calls.append(call)
+    rest = text[opened + len(MISTRAL_CALLS) + found[1]:]
+    return text[:opened] + rest, calls
+
+
+def _parse_mistral_args(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+    opened = text.find(MISTRAL_CALLS)
+    if opened < 0:
+        return text, []
+    calls, at = [], opened
+    while text.startswith(MISTRAL_CALLS, at):
+        head_end = text.find(MISTRAL_ARGS, at)
+        if head_end < 0:
+            return text, []
+        name = text[at + len(MISTRAL_CALLS):head_end].split(MISTRAL_ID)[0].strip()
+        found = _json_prefix(text[head_end + len(MISTRAL_ARGS):])
+        call = None if found is None else use._call(name, found[0])
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = head_end + len(MISTRAL_ARGS) + found[1]
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return text[:opened] + text[at:], calls
+
+
+_PARSERS: dict[str, Callable[[str, ToolUse], tuple[str, list[ToolCall]]]] = {
+    "hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_mistral, "mistral_args": _parse_mistral_args}
+
+
+class CallStream:
+    """Tells a streamed reply's text from its calls, piece by piece: text goes out as it comes,
+    but for what may be the start of a call (held back until it is known); a call goes out once it
+    is whole (hermes: at its closing tag; the others: at the end of the reply). At the end, what
+    was held and made no call goes out as text: nothing the model wrote is lost."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self._held = ""  # text not yet sent: a possible opener, or a call being written
+        self._in_call = False
+        self._started = False  # anything but whitespace was seen (llama3's call is the whole reply)
+        self.calls: list[ToolCall] = []  # every call sent so far, in order
+        self._space = ""  # whitespace after a call, held until text follows it
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(text to send now, calls to send now) after the reply's next piece `text`."""
+        if not self.use.reads_calls:
+            return text, []
+        self._held += text
+        out, calls = "", []
+        while self._held:
+            if self._in_call:
+                if self.use.format != "hermes":
+                    break  # the rest of the reply is the call(s): read at the end
+                closing = self._held.find(HERMES_CLOSE)
+                if closing < 0:
+                    break
+                body, self._held = self._held[:closing + len(HERMES_CLOSE)], self._held[closing + len(HERMES_CLOSE):]
+                content, found = self.use.parse(body)
+                out += content or ""
+                calls += found
+                self._in_call = False
+                continue
+            start = self._opening()
+            if start is None:  # no opener here, nor the start of one at the end: all of it is text
+                out += self._held
+                self._started = self._started or bool(self._held.strip())
+                self._held = ""
+                break
+            at, complete = start
+            if not complete:  # the end may begin an opener: hold it
+                out += self._held[:at]
+                self._started = self._started or bool(self._held[:at].strip())
+                self._held = self._held[at:]
+                break
+            out += self._held[:at]
+            self._held = self._held[at:]
+            self._in_call = True
+        self.calls += calls
+        if self.calls and not out.strip():  # between or after calls: sent only if text follows
+            self._space, out = self._space + out, ""
+        elif out:
+            out, self._space = self._space + out, ""
+        return out, calls
+
+    def _opening(self) -> tuple[int, bool] | None:
+        """Where in the held text a call opens (and whether the opener is whole), or None."""
+        held = self._held
+        if self.use.format == "llama3":
+            if self._started:
+                return None  # llama3's call is a whole reply: text came first, so this is text
+            stripped = len(held) - len(held.lstrip())
+            rest = held[stripped:]
+            if not rest:
+                return stripped, False
+            for opener in self.use.openers():
+                if rest.startswith(opener):
+                    return stripped, True
+                if opener.startswith(rest):
+                    return stripped, False
+            return None
+        best = None
+        for opener in self.use.openers():
+            found = held.find(opener)
+            if found >= 0:
+                best = (found, True) if best is None or found < best[0] else best
+                continue
+            for length in range(min(len(opener) - 1, len(held)), 0, -1):  # a tail that may grow into it
+                if held.endswith(opener[:length]):
+                    at = len(held) - length
+                    best = (at, False) if best is None or at < best[0] else best
+                    break
+        return best
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(text, calls) the end of the reply releases."""
+        held, self._held = self._held, ""
+        if self._in_call:
+            content, calls = self.use.parse(held)
+            if calls:
+                self.calls += calls
+                return content or "", calls
+        return ("" if self.calls and not held.strip() else self._space + held), []  # no call after all: as written
+
+
+def format_of(template_source: str | None, takes_tools: bool) -> str:
+    """The tool call format of a chat template (FORMATS): its own where its source shows it, the
+    hermes format where it takes no tools (they are described to the model in that format)."""
+    source = template_source or ""
+    if not takes_tools:
+        return "hermes"
+    if MISTRAL_ARGS in source and MISTRAL_CALLS in source:
+        return "mistral_args"
+    if MISTRAL_CALLS in source:
+        return "mistral"
+    if HERMES_OPEN in source:
+        return "hermes"
+    if '"parameters"' in source or LLAMA_PYTHON_TAG in source:
+        return "llama3"
+    return "hermes"
+
+
+# ----------------------------------------------------------------------------- templates without tools
+
+DESCRIBED = ("You may call the functions below, each given with the JSON schema of its arguments:\n<tools>\n{tools}\n"
+             "</tools>\nTo call one, answer with a JSON object of its name and arguments between <tool_call> and "
+             "</tool_call>, one call per tag:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments as "
+             "a JSON object>}}\n</tool_call>")
+
+
+def hermes_calls(calls: Sequence[Mapping]) -> str:
+    """Calls (kept-message dicts, arguments as JSON text) written in the hermes format."""
+    written = []
+    for call in calls:
+        arguments = call["function"]["arguments"]
+        try:
+            arguments = json.loads(arguments)
+        except (TypeError, ValueError):
+            pass
+        body = json.dumps({"name": call["function"]["name"], "arguments": arguments}, ensure_ascii=False)
+        written.append(f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
+    return "\n".join(written)
+
+
+def as_plain_messages(messages: Sequence[Mapping], tools: Tools | None) -> list[dict]:
+    """A conversation as a template that knows no tools can render it: the tools described in
+    the system message (one is added first where there is none), an assistant's calls written in
+    the hermes format after its text, and a tool's result as a user message inside
+    <tool_response> tags."""
+    plain = []
+    for message in messages:
+        if message.get("tool_calls"):
+            text = message.get("content") or ""
+            calls = hermes_calls(message["tool_calls"])
+            plain.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+        elif message["role"] == "tool":
+            plain.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        else:
+            plain.append({"role": message["role"], "content": message["content"]})
+    if tools is not None:
+        described = DESCRIBED.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools.as_dicts()))
+        if plain and plain[0]["role"] == "system":
+            plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{described}"}
+        else:
+            plain.insert(0, {"role": "system", "content": described})
+    return plain
