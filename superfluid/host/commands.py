@@ -8,6 +8,8 @@ sessions' state and records to `Sessions`, KV to the KV manager, generations to 
 
 from __future__ import annotations
 
+import msgspec
+
 from engines.errors import EngineError
 from superfluid.host.errors import ContextFull, EmptySession, SessionBusy, TooManySessions
 from superfluid.host.lane import Job, Live
@@ -19,7 +21,7 @@ from superfluid.host.session import Generation, SessionInfo
 from superfluid.host.stats import HostStats
 from superfluid.host.stream import TextStream
 from superfluid.host.tenants import UNNAMED, check_tenant, salt_digest
-from superfluid.host.tools import Tools
+from superfluid.host.tools import Tools, ToolUse
 
 
 class Commands:
@@ -116,8 +118,21 @@ class Commands:
     # ----------------------------------------------------------------------------- generating
 
     def generate(self, session_id: str, request: GenerateRequest, *, tenant: str | None = None) -> Generation:
-        """Queue a generation of the session as `request` asks (Overloaded when the wait queue is full)."""
-        return self._start(self._live(session_id, tenant, idle=True), request)
+        """Queue a generation of the session as `request` asks (Overloaded when the wait queue is
+        full). Where the session offers tools and the request says nothing of them, the model may
+        call them (tool choice auto: its reply is read for calls)."""
+        live = self._live(session_id, tenant, idle=True)
+        if request.tools is None and live.state.tools is not None:
+            request = msgspec.structs.replace(request, tools=self.tool_use(live.state.tools))
+        return self._start(live, request)
+
+    def tools(self, session_id: str, *, tenant: str | None = None) -> Tools | None:
+        """The tools the session's conversation offers (None: none)."""
+        return self._live(session_id, tenant).state.tools
+
+    def tool_use(self, tools: Tools, choice=None, parallel: bool | None = None) -> ToolUse:
+        """How a generation may call `tools` (ToolUse.of's fields), in the model's own format."""
+        return self.sessions.tool_use(tools, choice, parallel)
 
     def _start(self, live: Live, request: GenerateRequest, opening: list[int] | None = None) -> Generation:
         """Queue `live`'s generation; `opening`: the assistant's opening, where it was tokenized
@@ -136,7 +151,7 @@ class Commands:
             self.sessions.commit(live, opening, opens_turn=True)
         tokens = live.state.tokens
         self.kv.cut(live, len(tokens) - 1)  # the last token's logits are needed
-        generation = Generation(live.state.id)
+        generation = Generation(live.state.id, request.tools)
         generation._alive = self.thread.alive
         now = self.thread.arrived  # (the caller's wait for the step in flight counts)
         job = Job(generation, request, request.settings(live.state.sampling),

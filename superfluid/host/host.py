@@ -42,7 +42,7 @@ from superfluid.host.scheduler import Policy, Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 from superfluid.host.tenants import UNNAMED, check_tenant, namespace, salt_digest
-from superfluid.host.tools import Tools, ToolUse
+from superfluid.host.tools import Tools, ToolUse, special_marks
 
 DEFAULT_POOL_BYTES = 512 << 20
 CONTEXT_POLICIES = ("error", "stop")
@@ -173,6 +173,13 @@ class Host:
         if self._tokenizes_anywhere:
             return self.prompts.build(prompt, space)
         return self.call(self.prompts.build, prompt, space)
+
+    def tool_use(self, tools: Any, choice: Any = None, parallel: bool | None = None) -> ToolUse:
+        """How a generation may call `tools` (OpenAI's `tools`, `tool_choice` and
+        `parallel_tool_calls`: ToolUse.of), in the model's own format; made on the calling thread.
+        ToolError naming what is wrong."""
+        return ToolUse.of(tools, choice, parallel, format=self.prompts.template.tool_format,
+                          markers=special_marks(self.prompts.tokenize))
 
     def append_messages(self, session_id: str, messages: Sequence[Any], *, tenant: str | None = None) -> None:
         """Chat messages (messages.ChatMessage, (role, content) pairs, or dicts in OpenAI's shape,

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import msgspec
 
 from superfluid.host.constraints import Constraint
+from superfluid.host.messages import ChatMessage, ToolCall
 from superfluid.host.errors import HostClosed
 from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import TokenLogprobs
+from superfluid.host.tools import ToolError, ToolUse, new_seed
 
 T = TypeVar("T")
 
@@ -82,10 +84,14 @@ class Generation:
     `for` in a thread or `async for` in an event loop (no thread waits for it then).
 
     `finish_reason` is "stop" (an end-of-turn token or a stop string), "length" (max_tokens),
-    "cancelled", "timeout" or "closed" once it has ended; `text` is everything emitted."""
+    "cancelled", "timeout" or "closed" once it has ended; `text` is everything emitted; where
+    the conversation offers tools, `reply()` tells its text from the calls it made."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, tools: ToolUse | None = None) -> None:
         self.session_id = session_id
+        self.tools = tools  # how the model may call the conversation's tools (None: it offers none)
+        self.call_seed = new_seed()  # what its calls' ids are made from (tools.ToolUse.call_id)
+        self._reply: tuple[str | None, list[ToolCall]] | None = None
         self._queue: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
         self.finish_reason: str | None = None
@@ -200,6 +206,16 @@ class Generation:
             pass
         return self.text
 
+    def reply(self) -> tuple[str | None, list[ToolCall]]:
+        """(the reply's text outside tool calls, None if there is none; the calls it made, in the
+        model's format, of the tools offered) once it has ended: the text as it is and no calls
+        where the conversation offers no tools or the tool choice is none."""
+        if self.tools is None:
+            return self.text, []
+        if self._reply is None:
+            self._reply = self.tools.parse(self.text, self.call_seed)
+        return self._reply
+
 
 class Session:
     """A conversation or token stream kept by a Host (see Host.session), acting as `tenant` (None:
@@ -221,6 +237,15 @@ class Session:
         """Add a chat message of `role` (system, user or assistant), rendered by the chat template
         (on the calling thread: Host.append_messages)."""
         self._host.append_messages(self.id, [(role, text)], tenant=self.tenant)
+
+    def append_messages(self, *messages: Any) -> None:
+        """Add chat messages in turn: (role, text) pairs, dicts in OpenAI's shape (an assistant's
+        `tool_calls`, a tool's result with its `tool_call_id`) or messages.ChatMessage."""
+        self._host.append_messages(self.id, messages, tenant=self.tenant)
+
+    def append_tool_result(self, tool_call_id: str, content: str, name: str | None = None) -> None:
+        """Add what the tool call `tool_call_id` (of the tool `name`) returned."""
+        self.append_messages(ChatMessage("tool", content, tool_call_id=tool_call_id, name=name))
 
     def append_user(self, text: str) -> None:
         """Add a user message, rendered by the model's chat template."""
@@ -245,7 +270,8 @@ class Session:
     def generate(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
                  logprobs: int | None = None, constraint: Constraint | None = None,
-                 json_schema: dict | None = None, **sampling) -> Generation:
+                 json_schema: dict | None = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                 **sampling) -> Generation:
         """Start generating (SessionBusy if this session already is; Overloaded if the host's wait
         queue is full); iterate the result for pieces. It starts when the engine has the cells
         for it. `sampling` overrides the session's defaults for this generation only;
@@ -255,23 +281,49 @@ class Session:
         `logprobs` (0 to 20) gives each piece its token's log-probability and that many of the
         most likely alternatives (`Piece.logprobs`); `constraint` (a Constraint: a JSON schema, a
         regex, choices, a grammar) or `json_schema` (a schema, as a dict) keeps the output within
-        it (superfluid/host/constraints.py), compiled here, on the calling thread. A bad value is
-        refused here, with ValueError (ConstraintError for a constraint) naming it, before
+        it (superfluid/host/constraints.py), compiled here, on the calling thread. Where the
+        session offers tools (Host.session(tools=...)), the model may call them: `tool_choice`
+        "auto" (the default), "none", "required" or {"type": "function", "function": {"name":
+        ...}} (the last two constrain the reply to calls), `parallel_tool_calls` False for one
+        call at most; `Generation.reply()` gives the calls made. A bad value is refused here,
+        with ValueError (ConstraintError for a constraint, ToolError for tools) naming it, before
         anything reaches the host."""
+        tools, constraint = self._tools(tool_choice, parallel_tool_calls, self._compiled(constraint, json_schema))
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
-                                     logprobs=logprobs, constraint=self._compiled(constraint, json_schema))
+                                     logprobs=logprobs, constraint=constraint, tools=tools)
         return self._call(self._host.commands.generate, request)
 
     def complete(self, max_tokens: int = 256, stop: Sequence[str] | str = (), timeout: float | None = None,
                  keep_logits: bool = False, ignore_eos: bool = False, priority: str | None = None,
-                 constraint: Constraint | None = None, json_schema: dict | None = None, **sampling) -> str:
+                 constraint: Constraint | None = None, json_schema: dict | None = None, tool_choice: Any = None,
+                 parallel_tool_calls: bool | None = None, **sampling) -> str:
         """generate(), collected into its text. Nobody reads its tokens one by one, so the steps
         it decodes in are bounded by the first-token target alone (GenerateRequest.streamed)."""
+        tools, constraint = self._tools(tool_choice, parallel_tool_calls, self._compiled(constraint, json_schema))
         request = GenerateRequest.of(max_tokens=max_tokens, stop=stop, timeout=timeout, sampling=sampling,
                                      keep_logits=bool(keep_logits), ignore_eos=bool(ignore_eos), priority=priority,
-                                     streamed=False, constraint=self._compiled(constraint, json_schema))
+                                     streamed=False, constraint=constraint, tools=tools)
         return self._call(self._host.commands.generate, request).collect()
+
+    def _tools(self, choice: Any, parallel: bool | None, constraint: Any) -> tuple[ToolUse | None, Any]:
+        """(how the generation may call the session's tools, the constraint it runs under): None
+        and `constraint` where neither `choice` nor `parallel` is given (the host reads the reply
+        for calls of the session's tools, if it offers any); else the session's tools, fetched,
+        with a choice of calls compiled into the constraint. ToolError where the session offers
+        none, or a constraint is given beside a choice that constrains."""
+        if choice is None and parallel is None:
+            return None, constraint
+        tools = self._call(self._host.commands.tools)
+        if tools is None:
+            raise ToolError(f"session {self.id!r} offers no tools; give them when making it: "
+                            "Host.session(tools=[...])")
+        use = self._host.tool_use(tools, choice, parallel)
+        if use.constrains:
+            if constraint is not None:
+                raise ToolError(f"tool_choice {choice!r} makes the reply tool calls; it takes no other constraint")
+            constraint = self._host.grammars.compile(use.constraint())
+        return use, constraint
 
     def _compiled(self, constraint: Constraint | None, json_schema: dict | None):
         """The constraint asked for, compiled against the host's model (None: none asked)."""

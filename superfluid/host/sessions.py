@@ -38,7 +38,7 @@ from superfluid.host.log_records import Deleted, Opened, Parked, Record, Session
 from superfluid.host.messages import ChatMessage, as_dicts
 from superfluid.host.prompts import PreparedPrompt, appended_pieces, chat_template
 from superfluid.host.sampling import Sampling
-from superfluid.host.tools import Tools
+from superfluid.host.tools import Tools, ToolUse, special_marks
 from superfluid.host.session import SessionInfo
 
 if TYPE_CHECKING:
@@ -239,6 +239,12 @@ class Sessions:
             self._chat = chat_template(self.descriptor, self.engine)
         return self._chat
 
+    def tool_use(self, tools: Tools, choice: Any = None, parallel: bool | None = None) -> ToolUse:
+        """How a generation may call `tools` (ToolUse.of's fields), in the format of the model's
+        template, with the format's marks that are special tokens of the vocabulary."""
+        return ToolUse.of(tools, choice, parallel, format=self.template().tool_format,
+                          markers=special_marks(self._tokenize))
+
     def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...], Tools | None]:
         """What appending messages renders against: (`live`'s version, its messages, the tools its
         conversation offers). A caller renders on its own thread and hands the tokens to
@@ -353,7 +359,7 @@ class Sessions:
         message = None
         use = job.request.tools
         if use is not None and use.reads_calls:  # the calls it made are kept as calls (OpenAI's shape)
-            content, calls = use.parse(job.stream.text)
+            content, calls = use.parse(job.stream.text, job.generation.call_seed)  # (the ids its reader sees)
             if calls:
                 message = ChatMessage("assistant", content or "", tuple(calls)).as_dict()
         self._close(live, live.state.tokens[job.first:], job.stream.text, message)

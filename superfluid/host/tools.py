@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -219,24 +218,29 @@ class ToolUse(msgspec.Struct, frozen=True):
 
     # ------------------------------------------------------------------------- reading calls
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text outside calls, None if there is none; the calls `text` makes). A call that is
+    def parse(self, text: str, seed: str, first: int = 0) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside calls, None if there is none; the calls `text` makes, the `first`th
+        of its reply on, their ids made from the reply's `seed`: new_seed). A call that is
         malformed or names a function not offered is left in the text."""
         if not self.reads_calls:
             return (text or None), []
         content, calls = _PARSERS[self.format](text, self)
         content = content.strip()
+        calls = [msgspec.structs.replace(call, id=self.call_id(seed, first + i)) for i, call in enumerate(calls)]
         return (content or None), calls
 
-    def stream(self) -> CallStream:
-        """A reader of the reply as it streams, telling text from calls."""
-        return CallStream(self)
+    def stream(self, seed: str) -> CallStream:
+        """A reader of the reply (whose calls' ids come from `seed`) as it streams, telling text
+        from calls."""
+        return CallStream(self, seed)
 
-    def new_id(self) -> str:
-        """An id for a call the model made (Mistral's templates take 9 letters and digits)."""
+    def call_id(self, seed: str, index: int) -> str:
+        """The id of the `index`th call of the reply whose seed is `seed` (the same wherever the
+        reply is read: its stream, its whole text, the session's log). Mistral's templates take
+        9 letters and digits."""
         if self.format.startswith("mistral"):
-            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-        return f"call_{secrets.token_hex(12)}"
+            return f"{seed[:7]}{index % 100:02d}"
+        return f"call_{seed}{index}"
 
     def _call(self, name: Any, arguments: Any) -> ToolCall | None:
         """A call of an offered tool, its arguments an object (given as one, or as its JSON text)."""
@@ -253,7 +257,7 @@ class ToolUse(msgspec.Struct, frozen=True):
             arguments = {}
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(self.new_id(), name, json.dumps(arguments, ensure_ascii=False))
+        return ToolCall("", name, json.dumps(arguments, ensure_ascii=False))  # (its id: parse gives it)
 
     # (the openers a streamed reply is watched for: text before one is the reply's text)
     def openers(self) -> tuple[str, ...]:
@@ -375,8 +379,8 @@ class CallStream:
     is whole (hermes: at its closing tag; the others: at the end of the reply). At the end, what
     was held and made no call goes out as text: nothing the model wrote is lost."""
 
-    def __init__(self, use: ToolUse) -> None:
-        self.use = use
+    def __init__(self, use: ToolUse, seed: str) -> None:
+        self.use, self.seed = use, seed
         self._held = ""  # text not yet sent: a possible opener, or a call being written
         self._in_call = False
         self._started = False  # anything but whitespace was seen (llama3's call is the whole reply)
@@ -397,7 +401,7 @@ class CallStream:
                 if closing < 0:
                     break
                 body, self._held = self._held[:closing + len(HERMES_CLOSE)], self._held[closing + len(HERMES_CLOSE):]
-                content, found = self.use.parse(body)
+                content, found = self.use.parse(body, self.seed, len(self.calls) + len(calls))
                 out += content or ""
                 calls += found
                 self._in_call = False
@@ -457,11 +461,28 @@ class CallStream:
         """(text, calls) the end of the reply releases."""
         held, self._held = self._held, ""
         if self._in_call:
-            content, calls = self.use.parse(held)
+            content, calls = self.use.parse(held, self.seed, len(self.calls))
             if calls:
                 self.calls += calls
                 return content or "", calls
         return ("" if self.calls and not held.strip() else self._space + held), []  # no call after all: as written
+
+
+def new_seed() -> str:
+    """A reply's seed for its calls' ids: 16 hex digits, random."""
+    return secrets.token_hex(8)
+
+
+def special_marks(tokenize: Callable[[str], list[int]]) -> dict[str, int]:
+    """The marks of the formats that are one special token of the vocabulary (mark -> its id),
+    given the tokenizer (special tokens parsed): a constrained call writes the token, as the
+    model does, not the mark's text spelled out in ordinary tokens."""
+    marks = {}
+    for mark in (MISTRAL_CALLS, MISTRAL_ARGS):
+        ids = tokenize(mark)
+        if len(ids) == 1:
+            marks[mark] = ids[0]
+    return marks
 
 
 def format_of(template_source: str | None, takes_tools: bool) -> str:

@@ -10,8 +10,10 @@ Every field a request may carry is accounted for:
 - constraints on the output: OpenAI's `response_format` (`json_object`, `json_schema`),
   llama-server's `json_schema` and `grammar` (GBNF), vLLM's `guided_json`, `guided_regex`,
   `guided_choice` and `guided_grammar` (`constraint_of`: at most one per request);
-- fields that would change the answer in a way this server cannot honour (`tools`, `n` > 1,
-  ...: REFUSED and `refuse_unsupported`), a 400 naming the field and why;
+- tool calling: `tools`, `tool_choice`, `parallel_tool_calls` (`tool_use_of`), and messages that
+  carry an assistant's `tool_calls` or a tool's result (`message_of`);
+- fields that would change the answer in a way this server cannot honour (`n` > 1, the legacy
+  `functions`, ...: REFUSED and `refuse_unsupported`), a 400 naming the field and why;
 - anything else, a 400 naming the unknown field: never an answer that silently ignored it.
 """
 
@@ -23,13 +25,16 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from superfluid.host.constraints import Constraint, ConstraintError
+from superfluid.host.errors import ChatError
+from superfluid.host.messages import ChatMessage, ToolCall
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 from superfluid.host.tenants import MAX_SALT
+from superfluid.host.tools import ToolError, Tools, ToolUse
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
-                     "prompt_cache_key", "safety_identifier"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "cache_prompt", "prompt_cache_key",
+                     "safety_identifier"})
 
 # SGLang's own request options. sglang-router (and vllm-router, its fork) re-encodes every chat
 # and completion request it forwards with these set to their defaults, so a worker behind it must
@@ -49,8 +54,8 @@ ROUTER_FILLED = {
 REFUSED = {
     "guided_decoding_backend": "choosing the constrained decoding engine (this server has one)",
     "structured_outputs": "vLLM's structured_outputs (use `response_format` or the guided_* fields)",
-    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-    "function_call": "function calling", "logit_bias": "logit biases", "suffix": "fill-in-the-middle",
+    "functions": "OpenAI's deprecated function calling (use `tools`)",
+    "function_call": "OpenAI's deprecated function calling (use `tool_choice`)", "logit_bias": "logit biases", "suffix": "fill-in-the-middle",
     "mirostat": "mirostat sampling", "mirostat_tau": "mirostat sampling", "mirostat_eta": "mirostat sampling",
     "typical_p": "locally typical sampling", "tfs_z": "tail-free sampling", "dry_multiplier": "DRY sampling",
     "xtc_probability": "XTC sampling", "dynatemp_range": "dynamic temperature",
@@ -79,10 +84,11 @@ class ApiError(Exception):
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     """One chat message (text content only). The fields OpenAI's clients send back with an
-    assistant reply are known: refusal and annotations change nothing; name, tool calls, a
-    function call and audio would, and are refused when given (text_of)."""
+    assistant reply are known: refusal and annotations change nothing; tool calls and a tool
+    message's call id and name are taken; a participant's name, a function call and audio would
+    change the answer and are refused when given (message_of)."""
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
     tool_calls: list[Any] | None = None
@@ -153,6 +159,10 @@ class ChatRequest(_Generation, kw_only=True):
 
     messages: list[Message] = []
     max_completion_tokens: int | None = None
+    # how the generation may call the conversation's tools (tool_use_of)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Generation, kw_only=True):
@@ -284,20 +294,27 @@ def max_tokens_of(request: _Streamed) -> int:
     return value
 
 
-def generate_request(request: _Streamed, *, chat: bool,
-                     compile: Callable[[Constraint], Any] | None = None) -> GenerateRequest:
+def generate_request(request: _Streamed, *, chat: bool, compile: Callable[[Constraint], Any] | None = None,
+                     tools: ToolUse | None = None) -> GenerateRequest:
     """The host's request for what `request` asks (its sampling as overrides, stops, max_tokens,
-    priority, logprobs, whether it is streamed, its constraint compiled by `compile`): validated
-    here, once, and carried unchanged into the generation's job. ApiError 400 naming the field
-    that is wrong (ConstraintError for a constraint that does not compile)."""
+    priority, logprobs, whether it is streamed, its constraint compiled by `compile`, how it may
+    call `tools`): validated here, once, and carried unchanged into the generation's job.
+    ApiError 400 naming the field that is wrong (ConstraintError for a constraint that does not
+    compile)."""
     constraint = constraint_of(request)
+    if tools is not None and tools.constrains:
+        if constraint is not None:
+            raise ApiError(400, f"`tool_choice` {tools.choice} makes the reply tool calls; it takes no other "
+                           "constraint on the output", param="tool_choice")
+        constraint = tools.constraint()
     if constraint is not None and compile is None:
         raise ApiError(400, "this route does not constrain output", param=CONSTRAINT_FIELDS[0])
     return GenerateRequest(max_tokens=max_tokens_of(request), stop=tuple(stops_of(request)),
                            sampling=sampling_of(request),
                            ignore_eos=request.ignore_eos, logprobs=logprobs_of(request, chat=chat),
                            priority=None if request.priority is None else Priority.named(request.priority),
-                           streamed=request.stream, constraint=None if constraint is None else compile(constraint))
+                           streamed=request.stream, constraint=None if constraint is None else compile(constraint),
+                           tools=tools)
 
 
 CONSTRAINT_FIELDS = ("response_format", "json_schema", "grammar", "guided_json", "guided_regex", "guided_choice",
@@ -354,14 +371,59 @@ def stops_of(request: _Streamed) -> list[str]:
     return stops
 
 
-def text_of(message: Message) -> str:
-    """A message's text (content parts of type text joined); ApiError for other parts."""
-    for field, why in (("tool_calls", "tool calling"), ("tool_call_id", "tool calling"),
-                       ("function_call", "function calling"), ("audio", "audio"),
-                       ("name", "participant names (the chat template would not see them)")):
+def message_of(message: Message) -> ChatMessage:
+    """The host's message for a request's (a developer message is a system message); ApiError 400
+    naming what is wrong or not supported."""
+    for field, why in (("function_call", "OpenAI's deprecated function calling (use `tool_calls`)"),
+                       ("audio", "audio")):
         if getattr(message, field):
             raise ApiError(400, f"messages with `{field}` are not supported ({why})", param="messages",
                            code="unsupported_parameter")
+    if message.name and message.role != "tool":
+        raise ApiError(400, "messages with `name` are not supported (participant names: the chat template would not "
+                       "see them)", param="messages", code="unsupported_parameter")
+    if message.tool_calls and message.role != "assistant":
+        raise ApiError(400, f"a {message.role} message cannot make `tool_calls`; only an assistant's does",
+                       param="messages")
+    if message.role == "tool" and not message.tool_call_id:
+        raise ApiError(400, "a tool message needs the `tool_call_id` of the call it answers", param="messages")
+    if message.tool_call_id is not None and message.role != "tool":
+        raise ApiError(400, f"a {message.role} message has no `tool_call_id`; only a tool message answers a call",
+                       param="messages")
+    text = "" if message.content is None and message.tool_calls else text_of(message)
+    try:
+        return ChatMessage("system" if message.role == "developer" else message.role, text,
+                           tuple(ToolCall.of(call) for call in message.tool_calls or ()), message.tool_call_id,
+                           message.name)
+    except ChatError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
+def tool_use_of(request: ChatRequest | SessionGenerate, tools: Any, make: Callable[..., ToolUse]) -> ToolUse | None:
+    """How the request's generation may call `tools` (None: no tools and no choice), made by
+    `make` (Host.tool_use: the model's own format); ApiError 400 naming what is wrong."""
+    if tools is None:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(request, name) is not None and getattr(request, name) != "none":
+                raise ApiError(400, f"`{name}` needs `tools` to choose from", param=name)
+        return None
+    try:
+        return make(tools, request.tool_choice, request.parallel_tool_calls)
+    except ToolError as exc:
+        param = "tool_choice" if "tool choice" in str(exc) or "`tool_choice`" in str(exc) else "tools"
+        raise ApiError(400, f"`{param}`: {exc}", param=param, code="invalid_tools") from None
+
+
+def tools_of(value: list[dict[str, Any]] | None) -> Tools | None:
+    """A request's `tools` (None: none); ApiError 400 naming what is wrong with them."""
+    try:
+        return None if value is None else Tools.of(value)
+    except ToolError as exc:
+        raise ApiError(400, f"`tools`: {exc}", param="tools", code="invalid_tools") from None
+
+
+def text_of(message: Message) -> str:
+    """A message's text (content parts of type text joined); ApiError for other parts."""
     if message.content is None:
         raise ApiError(400, f"a {message.role} message needs `content`", param="messages")
     if isinstance(message.content, str):
@@ -380,6 +442,7 @@ class SessionCreate(_Sampled, kw_only=True):
 
     system: str | None = None
     messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None  # what its conversation offers the model, kept with it
     priority: Literal["interactive", "default", "background"] = "default"
     cache_salt: CacheSalt | None = None  # its prompts share cached KV only with sessions of the same salt
 
@@ -391,4 +454,8 @@ class SessionMessages(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class SessionGenerate(_Streamed, kw_only=True):
-    """POST /v1/sessions/{id}/generate: the assistant's next turn."""
+    """POST /v1/sessions/{id}/generate: the assistant's next turn (the tools are the session's)."""
+
+    tools: list[dict[str, Any]] | None = None  # refused: a session's tools are given when it is made
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None

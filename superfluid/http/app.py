@@ -28,9 +28,11 @@ from superfluid import __version__
 from superfluid.host import sampling as sampler
 from superfluid.host.errors import HostClosed, SessionNotFound
 from superfluid.host.interruption import Arrival
+from superfluid.host.messages import ChatMessage
 from superfluid.host.request import GenerateRequest, Priority, Prompt
 from superfluid.host.session import LIVENESS_SECONDS
 from superfluid.host.tenants import UNNAMED
+from superfluid.host.tools import ToolUse
 from superfluid.http import api, builders, completions, responses, worker
 from superfluid.http.connections import ABORT, OVER_CAPACITY
 from superfluid.http.keys import ApiKeys
@@ -328,9 +330,11 @@ class App:
         api.refuse_unsupported(request)
         if not request.messages:
             raise api.ApiError(400, "`messages` must hold at least one message", param="messages")
-        wanted = self._wanted(request, chat=True)
-        messages = tuple((_role(m), api.text_of(m)) for m in request.messages)
-        return request, self.host.prepare(Prompt(messages), tenant=tenant, cache_salt=request.cache_salt), wanted
+        tools = api.tool_use_of(request, request.tools, self.host.tool_use)
+        wanted = self._wanted(request, chat=True, tools=tools)
+        messages = tuple(api.message_of(m) for m in request.messages)
+        prompt = Prompt(messages, tools=None if tools is None else tools.tools)
+        return request, self.host.prepare(prompt, tenant=tenant, cache_salt=request.cache_salt), wanted
 
     async def _completions(self, exchange: Exchange, _: None) -> None:
         body = await exchange.body(MAX_BODY, self.body_timeout)
@@ -351,12 +355,12 @@ class App:
         return request, self.host.prepare(Prompt(text=request.prompt), tenant=tenant,
                                           cache_salt=request.cache_salt), wanted
 
-    def _wanted(self, request, *, chat: bool) -> GenerateRequest:
+    def _wanted(self, request, *, chat: bool, tools: ToolUse | None = None) -> GenerateRequest:
         """The host's request for an HTTP request (api.generate_request), its priority allowed and
         its constraint compiled (on a worker thread: a long schema, or the first one, which reads
         the model's whole vocabulary, must not hold up the event loop)."""
         self._check_priority(request.priority)
-        return api.generate_request(request, chat=chat, compile=self.host.grammars.compile)
+        return api.generate_request(request, chat=chat, compile=self.host.grammars.compile, tools=tools)
 
     def _check_priority(self, priority: str | None) -> None:
         """ApiError 400 for a class above default where the server does not honour it: any client
@@ -378,11 +382,11 @@ class App:
         request = await self._decoded(exchange, api.SessionCreate)
         self._check_priority(request.priority)
         settings = sampler.Sampling(**api.sampling_of(request))
-        messages = [(_role(m), api.text_of(m)) for m in request.messages]
+        messages = [api.message_of(m) for m in request.messages]
         tenant = exchange.tenant
         session_id = await self.call(self.host.commands.create, worker.new_session_id(self.worker_name),
                                      request.system, settings, request.priority, tenant=tenant,
-                                     cache_salt=request.cache_salt)
+                                     cache_salt=request.cache_salt, tools=api.tools_of(request.tools))
         try:
             await self._append(session_id, messages, tenant)
         except BaseException:  # none of it if a message is refused
@@ -403,19 +407,30 @@ class App:
 
     async def _session_messages(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionMessages)
-        messages = [(_role(m), api.text_of(m)) for m in request.messages]
+        messages = [api.message_of(m) for m in request.messages]
         await self._append(session_id, messages, exchange.tenant)
         await self._session_json(exchange, 200, await self.call(self.host.commands.info, session_id,
                                                                 tenant=exchange.tenant))
 
-    async def _append(self, session_id: str, messages: list[tuple[str, str]], tenant: str) -> None:
+    async def _append(self, session_id: str, messages: list[ChatMessage], tenant: str) -> None:
         """Append `messages` to `tenant`'s session, rendered on a worker thread (Host.append_messages)."""
         if messages:
             await builders.build(functools.partial(self.host.append_messages, tenant=tenant), session_id, messages)
 
     async def _session_generate(self, exchange: Exchange, session_id: str) -> None:
         request = await self._decoded(exchange, api.SessionGenerate)
-        wanted = await builders.build(functools.partial(self._wanted, chat=True), request)
+        if request.tools is not None:
+            raise api.ApiError(400, "a session's tools are given when it is made (POST /v1/sessions with `tools`); "
+                               "here, `tool_choice` and `parallel_tool_calls` say how this turn may call them",
+                               param="tools")
+        tools = None
+        if request.tool_choice is not None or request.parallel_tool_calls is not None:
+            offered = await self.call(self.host.commands.tools, session_id, tenant=exchange.tenant)
+            if offered is None:
+                raise api.ApiError(400, f"session {session_id!r} offers no tools; give `tools` when making it",
+                                   param="tool_choice")
+            tools = api.tool_use_of(request, offered, self.host.tool_use)
+        wanted = await builders.build(functools.partial(self._wanted, chat=True, tools=tools), request)
         generation = await self.call(self.host.commands.generate, session_id, wanted, tenant=exchange.tenant)
         await completions.answer(self, exchange, generation, request, chat=True)
 
@@ -430,6 +445,3 @@ class App:
         await self.call(self.host.commands.delete, session_id, tenant=exchange.tenant)
         await exchange.json(200, {"id": session_id, "object": "session", "deleted": True})
 
-
-def _role(message: api.Message) -> str:
-    return "system" if message.role == "developer" else message.role

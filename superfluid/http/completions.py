@@ -107,8 +107,13 @@ async def _whole(exchange: Exchange, generation: Generation, first: list[Piece],
     reason = FINISH.get(generation.finish_reason or "stop", "stop")
     wanted = api.logprobs_of(request, chat=chat) is not None
     shown = (logprobs.chat(scored) if chat else logprobs.completion(scored)) if wanted else None
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-               "logprobs": shown} if chat else
+    message = {"role": "assistant", "content": text}
+    if chat and generation.tools is not None:
+        content, calls = generation.reply()
+        if calls:  # OpenAI's shape: the text outside the calls (null where there is none), and the calls
+            message = {"role": "assistant", "content": content, "tool_calls": [call.as_dict() for call in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+    choice = ({"index": 0, "message": message, "finish_reason": reason, "logprobs": shown} if chat else
               {"index": 0, "text": text, "finish_reason": reason, "logprobs": shown})
     await exchange.json(200, {**base, "choices": [choice], "usage": responses.usage(generation)})
 
@@ -143,6 +148,21 @@ async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIter
     wanted = api.logprobs_of(request, chat=chat) is not None
     text_events = _TextEvents(base, kind, chat)
     sent = 0  # characters streamed so far (completions' text offsets)
+    # a reply that may make tool calls: its text and its calls told apart as they stream
+    calls = generation.tools.stream(generation.call_seed) if chat and generation.tools is not None else None
+    made = 0  # calls streamed so far
+
+    def call_events(found: list) -> list[bytes]:
+        # each call as OpenAI streams one: its index, id, type and name, then its arguments
+        nonlocal made
+        events = []
+        for call in found:
+            head = {"index": made, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            for delta in (head, {"index": made, "function": {"arguments": call.arguments}}):
+                events.append(_event({**base, "object": kind, "choices": [{"index": 0, "delta": {"tool_calls": [delta]},
+                                                                            "finish_reason": None}]}))
+            made += 1
+        return events
 
     def shown(scored: list) -> dict:
         # a token's logprobs go out with the first chunk that carries its text (or the last)
@@ -157,18 +177,29 @@ async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIter
         for piece in batch:
             if wanted and piece.logprobs is not None:
                 pending.append(piece.logprobs)
-            if not piece.text:
+            text = piece.text
+            if calls is not None and text:
+                text, found = calls.feed(text)
+                events += call_events(found)
+            if not text:
                 continue
             if wanted:
-                delta = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+                delta = {"delta": {"content": text}} if chat else {"text": text}
                 events.append(_event({**base, "object": kind,
                                       "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}))
             else:
-                events.append(text_events.of(piece.text))
-            sent, pending = sent + len(piece.text), []
+                events.append(text_events.of(text))
+            sent, pending = sent + len(text), []
         if events:
             yield b"".join(events)
     reason = FINISH.get(generation.finish_reason or "stop", "stop")
+    if calls is not None:
+        text, found = calls.finish()
+        events = ([text_events.of(text)] if text else []) + call_events(found)
+        if events:
+            yield b"".join(events)
+        if made and reason == "stop":
+            reason = "tool_calls"
     last = {"delta": {}} if chat else {"text": ""}
     yield _event({**base, "object": kind, "choices": [{"index": 0, **last, **(shown(pending) if pending else {}),
                                                         "finish_reason": reason}]})

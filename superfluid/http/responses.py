@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from superfluid.host.constraints import ConstraintError
 from superfluid.host.log import LogWriteFailed
+from superfluid.host.tools import ToolError
 from superfluid.http import api
 from superfluid.host.errors import (ChatError, ContextFull, EmptySession, HostClosed, Overloaded, PinLimit,
                                     SessionBusy, SessionNotFound, TooManyMessages, TooManySessions)
@@ -34,6 +35,7 @@ HTTP_ERRORS: dict[type[BaseException], HttpError] = {
     TooManyMessages: HttpError(400, "invalid_request_error", "too_many_messages"),
     TooManySessions: HttpError(429, "rate_limit_error", "too_many_sessions"),
     ConstraintError: HttpError(400, "invalid_request_error", "invalid_constraint"),
+    ToolError: HttpError(400, "invalid_request_error", "invalid_tools"),
     # before any byte of a response: the client may retry (Retry-After says when)
     Overloaded: HttpError(503, "server_error", "overloaded"),
     HostClosed: HttpError(503, "server_error", "shutting_down"),

@@ -26,8 +26,8 @@ def refused(kind=api.ChatRequest, **fields) -> api.ApiError:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("guided_decoding_backend", "xgrammar"),
-    ("tool_choice", "auto"), ("logit_bias", {"1": 5}), ("mirostat", 2), ("typical_p", 0.9), ("n_probs", 3),
+    ("functions", [{"name": "f"}]), ("guided_decoding_backend", "xgrammar"),
+    ("function_call", "auto"), ("logit_bias", {"1": 5}), ("mirostat", 2), ("typical_p", 0.9), ("n_probs", 3),
     ("suffix", "x"), ("reasoning_effort", "high"),
 ])
 def test_a_field_that_would_change_the_answer_is_refused_by_name(field, value):
@@ -100,13 +100,16 @@ def test_logprobs_take_openais_shapes():
     assert refused(logprobs=3).param == "logprobs"  # chat counts alternatives in top_logprobs
 
 
-def test_a_message_with_tool_calls_is_refused_and_a_plain_echo_of_a_reply_is_not():
+def test_a_reply_echoed_back_is_taken_with_its_tool_calls_and_a_malformed_call_is_named():
     echoed = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None}
     request = decode(messages=[{"role": "user", "content": "hi"}, echoed])
-    assert [api.text_of(m) for m in request.messages] == ["hi", "Paris."]
-    calls = decode(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
-    with pytest.raises(api.ApiError, match="tool_calls"):
-        api.text_of(calls.messages[0])
+    assert [api.message_of(m).content for m in request.messages] == ["hi", "Paris."]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calls = decode(messages=[{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert api.message_of(calls.messages[0]).tool_calls[0].name == "f"
+    broken = decode(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    with pytest.raises(api.ApiError, match="tool call needs"):
+        api.message_of(broken.messages[0])
 
 
 def test_a_body_that_is_not_an_object_is_a_400():
@@ -124,7 +127,7 @@ def test_a_body_that_is_not_an_object_is_a_400():
 def test_message_fields_that_would_change_the_answer_are_refused(message, field):
     request = decode(messages=[message])
     with pytest.raises(api.ApiError, match=f"`{field}`"):
-        api.text_of(request.messages[0])
+        api.message_of(request.messages[0])
 
 
 def test_unknown_fields_inside_a_message_or_the_stream_options_are_named():

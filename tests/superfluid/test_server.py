@@ -128,7 +128,7 @@ def test_bad_requests_get_an_openai_style_error_naming_the_problem(served, body,
     assert got == status and names in (error["message"] + str(error["param"]))
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 2),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("n", 2),
                                           ("invented_field", 1)])
 def test_fields_that_cannot_be_honoured_are_refused(served, field, value):
     with pytest.raises(openai.BadRequestError, match=f"`{field}`"):

@@ -1,0 +1,163 @@
+"""Tool calls over HTTP, with the official `openai` client against a real `superfluid serve` on a tiny
+model of random weights (its template takes no tools: they are described in a system message and
+calls written in the hermes format): `tool_choice` required and named make the reply calls whose
+arguments validate against their tools' parameters, whole and as streamed tool-call deltas; a
+conversation that carries the calls and their results is accepted; `auto` reads what the model
+wrote; the session routes keep the calls; malformed tools are a 400 naming the problem."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.superfluid.served import Served
+from tests.superfluid.test_tools import TOOLS
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    server = Served(tiny_models["f32"].gguf, tmp_path_factory.mktemp("tools"))
+    yield server
+    assert server.stop() == 0
+
+
+def checked(call) -> dict:
+    """A call's arguments, validated against its tool's parameters."""
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, PARAMETERS[call.function.name])
+    return arguments
+
+
+def test_required_tool_choice_answers_with_calls_that_validate(served):
+    client = served.client()
+    for seed in range(3):
+        reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                               tool_choice="required", temperature=1.0, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls and all(call.type == "function" for call in choice.message.tool_calls)
+        for call in choice.message.tool_calls:
+            checked(call)
+        assert len({call.id for call in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+def test_a_named_function_is_the_one_called_and_parallel_false_makes_one_call(served):
+    reply = served.client().chat.completions.create(
+        model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=1.0, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and len(checked(call)["zone"]) == 3
+
+
+def test_streamed_tool_calls_arrive_as_deltas_the_client_assembles(served):
+    stream = served.client().chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS,
+                                                     max_tokens=200, tool_choice="required", temperature=1.0, seed=2,
+                                                     stream=True)
+    calls: dict[int, dict] = {}
+    reasons, content = [], ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = part.id or call["id"]
+            if part.function is not None:
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    assert reasons == ["tool_calls"] and content == "" and calls
+    for call in calls.values():
+        assert call["id"] and call["name"] in PARAMETERS
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+
+
+def test_a_conversation_carrying_calls_and_their_results_goes_on(served):
+    client = served.client()
+    first = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=100,
+                                           tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=8)
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    conversation = [*MESSAGES, message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 4, "sky": "snow"}'}]
+    reply = client.chat.completions.create(model=served.model, messages=conversation, tools=TOOLS, max_tokens=8,
+                                           tool_choice="none", temperature=0.0)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.tool_calls is None
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_auto_reads_a_call_the_model_wrote_and_leaves_text_as_text(served):
+    # a model of random weights writes no call of its own: a regex makes it write one, in the
+    # hermes format the tools' description asks for (auto reads whatever the model wrote)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    client = served.client()
+    reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                           extra_body={"guided_regex": "Checking\\. " + _escaped(call)})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert choice.message.tool_calls[0].function.name == "get_time"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"zone": "UTC"}
+    stream = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                            stream=True, extra_body={"guided_regex": "Checking\\. " + _escaped(call)})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Checking."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    # a call of a function not offered is text
+    unknown = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                           extra_body={"guided_regex": _escaped(unknown)})
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == unknown
+
+
+def _escaped(text: str) -> str:
+    """`text` as a regular expression that matches it alone."""
+    return "".join("\\" + c if c in ".^$*+?()[]{}|\\" else ("\\n" if c == "\n" else c) for c in text)
+
+
+def test_a_session_offering_tools_keeps_the_calls_it_made(served):
+    status, made = served.raw("POST", "/v1/sessions", json.dumps({"messages": MESSAGES, "tools": TOOLS}).encode())
+    assert status == 201
+    session = json.loads(made)["id"]
+    status, data = served.raw("POST", f"/v1/sessions/{session}/generate",
+                              json.dumps({"max_tokens": 100, "tool_choice": "required", "parallel_tool_calls": False,
+                                          "temperature": 1.0}).encode())
+    assert status == 200
+    reply = json.loads(data)["choices"][0]
+    (call,) = reply["message"]["tool_calls"]
+    status, _ = served.raw("POST", f"/v1/sessions/{session}/messages", json.dumps({"messages": [
+        {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]}).encode())
+    assert status == 200
+    status, info = served.raw("GET", f"/v1/sessions/{session}")
+    assert status == 200 and json.loads(info)["messages"] == 3
+    status, data = served.raw("POST", f"/v1/sessions/{session}/generate",
+                              json.dumps({"max_tokens": 4, "tools": TOOLS}).encode())
+    assert status == 400 and b"given when it is made" in data
+
+
+@pytest.mark.parametrize("extra, names", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "letters, digits"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tool_choice": "required"}, "needs `tools`"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "x"}, "no other constraint"),
+    ({"functions": [{"name": "f"}]}, "deprecated function calling"),
+])
+def test_tools_that_cannot_be_used_are_a_400_before_any_byte_of_a_stream(served, extra, names):
+    with pytest.raises(openai.BadRequestError, match=names):
+        served.client().chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=5, stream=True,
+                                                extra_body=extra)
+    assert served.raw("GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("message, names", [
+    ({"role": "tool", "content": "x"}, "tool_call_id"),
+    ({"role": "user", "content": "x", "tool_call_id": "a"}, "only a tool message"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+     "needs an `id`"),
+])
+def test_a_malformed_tool_message_is_a_400_naming_it(served, message, names):
+    with pytest.raises(openai.BadRequestError, match=names):
+        served.client().chat.completions.create(model=served.model, messages=[*MESSAGES, message], max_tokens=5)
