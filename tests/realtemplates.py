@@ -33,6 +33,12 @@ TEMPLATE_FILES = {
     # carries no template): its family's previous one, the same turn markup
     "Gemma 2": "google-gemma-2-2b-it.jinja",
 }
+# models whose templates render tools in a format of their own (superfluid/host/tools.py): read
+# beside the others, for the tool call tests only
+TOOL_TEMPLATE_FILES = {
+    "Hermes 2 Pro": "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "Hermes 3": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+}
 # model -> its name in llama.cpp's template test, whose template is a C string literal there
 TEMPLATE_TEST_ENTRIES = {"Phi 4": "phi-4"}
 C_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "'": "'"}
@@ -48,9 +54,10 @@ def source_archive() -> Path:
 
 @cache
 def from_llama_cpp() -> dict[str, str]:
-    """name -> template source, for every model of TEMPLATE_FILES and TEMPLATE_TEST_ENTRIES."""
+    """name -> template source, for every model of TEMPLATE_FILES, TOOL_TEMPLATE_FILES and
+    TEMPLATE_TEST_ENTRIES."""
     root = f"llama_cpp_python-{llama_cpp.__version__}/{VENDOR}"
-    wanted = {f"{root}/models/templates/{file}": name for name, file in TEMPLATE_FILES.items()}
+    wanted = {f"{root}/models/templates/{file}": name for name, file in {**TEMPLATE_FILES, **TOOL_TEMPLATE_FILES}.items()}
     found: dict[str, str] = {}
     test_source = None
     with tarfile.open(source_archive()) as archive:
@@ -59,7 +66,7 @@ def from_llama_cpp() -> dict[str, str]:
                 found[wanted[member.name]] = archive.extractfile(member).read().decode()
             elif member.name == f"{root}/tests/test-chat-template.cpp":
                 test_source = archive.extractfile(member).read().decode()
-    missing = set(TEMPLATE_FILES) - set(found)
+    missing = (set(TEMPLATE_FILES) | set(TOOL_TEMPLATE_FILES)) - set(found)
     if missing or test_source is None:
         raise FileNotFoundError(f"{source_archive()} lacks the templates of {sorted(missing)} or the template test")
     for name, entry in TEMPLATE_TEST_ENTRIES.items():

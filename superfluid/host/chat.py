@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -30,7 +31,7 @@ import jinja2.sandbox
 from superfluid.host import tools as tool_calls
 from superfluid.host.errors import ChatError
 from superfluid.host.messages import ROLES, for_template
-from superfluid.host.tools import Tools
+from superfluid.host.tools import Tools, ToolUse
 
 # Used when a model ships no template (the tiny test models ship this one too).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -90,8 +91,14 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatError(f"the model's chat template does not parse: {exc}") from None
         self.tool_format = tool_calls.format_of(source, self.takes_tools)  # how its model writes a call
+        self.thinks = "<think>" in (source or "")  # it may write an (empty) reasoning block before a reply
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
         self.messages_rendered = 0  # messages handed to the template so far, every rendering together
+
+    def tool_use(self, tools: Any, choice: Any, parallel: bool | None, markers: dict[str, int]) -> ToolUse:
+        """How a generation may call `tools` (ToolUse.of's fields) in this template's format;
+        `markers`: the format's marks that are special tokens (tools.special_marks)."""
+        return ToolUse.of(tools, choice, parallel, format=self.tool_format, markers=markers, thinks=self.thinks)
 
     @property
     def special_tokens(self) -> dict[str, str]:

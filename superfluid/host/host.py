@@ -178,8 +178,7 @@ class Host:
         """How a generation may call `tools` (OpenAI's `tools`, `tool_choice` and
         `parallel_tool_calls`: ToolUse.of), in the model's own format; made on the calling thread.
         ToolError naming what is wrong."""
-        return ToolUse.of(tools, choice, parallel, format=self.prompts.template.tool_format,
-                          markers=special_marks(self.prompts.tokenize))
+        return self.prompts.template.tool_use(tools, choice, parallel, special_marks(self.prompts.tokenize))
 
     def append_messages(self, session_id: str, messages: Sequence[Any], *, tenant: str | None = None) -> None:
         """Chat messages (messages.ChatMessage, (role, content) pairs, or dicts in OpenAI's shape,

@@ -242,8 +242,7 @@ class Sessions:
     def tool_use(self, tools: Tools, choice: Any = None, parallel: bool | None = None) -> ToolUse:
         """How a generation may call `tools` (ToolUse.of's fields), in the format of the model's
         template, with the format's marks that are special tokens of the vocabulary."""
-        return ToolUse.of(tools, choice, parallel, format=self.template().tool_format,
-                          markers=special_marks(self._tokenize))
+        return self.template().tool_use(tools, choice, parallel, special_marks(self._tokenize))
 
     def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...], Tools | None]:
         """What appending messages renders against: (`live`'s version, its messages, the tools its

@@ -46,6 +46,10 @@ CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separato
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
+# What Qwen 3's template writes before a reply that did not reason (and a constrained call may
+# begin with, as the template renders it)
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
 
 
 class ToolError(SuperfluidError, ValueError):
@@ -126,6 +130,7 @@ class ToolUse(msgspec.Struct, frozen=True):
     parallel: bool = True
     format: str = "hermes"
     markers: Mapping[str, int] = msgspec.field(default_factory=dict)
+    thinks: bool = False  # the template writes an empty reasoning block before a reply (Qwen 3)
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -140,7 +145,7 @@ class ToolUse(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, tools: Any, choice: Any = None, parallel: bool | None = None, *, format: str = "hermes",
-           markers: Mapping[str, int] | None = None) -> ToolUse:
+           markers: Mapping[str, int] | None = None, thinks: bool = False) -> ToolUse:
         """From OpenAI's fields: `tools`, `tool_choice` ("none", "auto", "required", or
         {"type": "function", "function": {"name": ...}}; None: auto), `parallel_tool_calls`
         (None: true, OpenAI's default). ToolError naming what is wrong."""
@@ -156,7 +161,7 @@ class ToolUse(msgspec.Struct, frozen=True):
         elif choice not in ("none", "auto", "required"):
             raise ToolError(f"`tool_choice` {choice!r}: use none, auto, required, or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-        return cls(Tools.of(tools), choice, function, parallel is not False, format, dict(markers or {}))
+        return cls(Tools.of(tools), choice, function, parallel is not False, format, dict(markers or {}), thinks)
 
     @property
     def constrains(self) -> bool:
@@ -188,13 +193,17 @@ class ToolUse(msgspec.Struct, frozen=True):
         if self.format == "hermes":
             top = [f'call: "{HERMES_OPEN}\\n" ({calls}) "\\n{HERMES_CLOSE}"']
             start = 'start: call ("\\n" call)*' if self.several else "start: call"
+            if self.thinks:  # a thinking template's empty reasoning first, as it renders a reply without
+                start = start.replace("start: ", f"start: {json.dumps(EMPTY_THINK)}? ", 1)
         elif self.format == "llama3":
             top, start = [], f"start: {calls}"
         elif self.format == "mistral":
             top = [f"call: {calls}"]
             start = f'start: {self._mark(MISTRAL_CALLS)} "[" call ' + ('(", " call)* "]"' if self.several else '"]"')
-        else:  # mistral_args: the name as text between the marks, then the arguments' JSON
-            rules = [f"f{i}: {json.dumps(tool.name)} {self._mark(MISTRAL_ARGS)} %json "
+        else:  # mistral_args: the name as text between the marks (and the call's id, where the model
+            # writes one: the templates render it), then the arguments' JSON
+            call_id = f'({self._mark(MISTRAL_ID)} /[A-Za-z0-9]{{9}}/)?'
+            rules = [f"f{i}: {json.dumps(tool.name)} {call_id} {self._mark(MISTRAL_ARGS)} %json "
                      f"{json.dumps(self._arguments_schema(tool), ensure_ascii=False)}" for i, tool in enumerate(offered)]
             top = [f"call: {self._mark(MISTRAL_CALLS)} ({calls})"]
             start = "start: call+" if self.several else "start: call"
@@ -211,10 +220,11 @@ class ToolUse(msgspec.Struct, frozen=True):
 
     def _call_schema(self, tool: Tool) -> dict:
         key = "parameters" if self.format == "llama3" else "arguments"
-        arguments = closed(json.loads(tool.parameters))
-        return {"x-guidance": CALL_JSON, "type": "object", "properties": {"name": {"const": tool.name},
-                                                                          key: arguments},
-                "required": ["name", key], "additionalProperties": False}
+        properties = {"name": {"const": tool.name}, key: closed(json.loads(tool.parameters))}
+        if self.format == "mistral":  # Mistral Nemo writes each call's id after it (9 letters and digits)
+            properties["id"] = {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}
+        return {"x-guidance": CALL_JSON, "type": "object", "properties": properties, "required": ["name", key],
+                "additionalProperties": False}
 
     # ------------------------------------------------------------------------- reading calls
 
@@ -224,7 +234,10 @@ class ToolUse(msgspec.Struct, frozen=True):
         malformed or names a function not offered is left in the text."""
         if not self.reads_calls:
             return (text or None), []
-        content, calls = _PARSERS[self.format](text, self)
+        content, calls, before = _PARSERS[self.format](text, self)
+        if calls and EMPTY_THINKING.fullmatch(before):
+            # the empty reasoning block a thinking template puts right before calls says nothing
+            content = content[len(before):]
         content = content.strip()
         calls = [msgspec.structs.replace(call, id=self.call_id(seed, first + i)) for i, call in enumerate(calls)]
         return (content or None), calls
@@ -278,8 +291,10 @@ def _json_prefix(text: str) -> tuple[Any, int] | None:
         return None
 
 
-def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
-    kept, calls, at = [], [], 0
+# Each reads (the text outside calls, the calls, the text before the first call) out of a reply.
+
+def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
+    kept, calls, at, before = [], [], 0, ""
     while (opened := text.find(HERMES_OPEN, at)) >= 0:
         body_start = opened + len(HERMES_OPEN)
         closing = text.find(HERMES_CLOSE, body_start)
@@ -291,26 +306,29 @@ def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
         if call is None:  # not a call: stays text
             kept.append(text[at:end])
         else:
-            kept.append(text[at:opened])
+            if not calls or text[at:opened].strip():  # (whitespace between two calls says nothing)
+                kept.append(text[at:opened])
+            if not calls:
+                before = "".join(kept)
             calls.append(call)
         at = end
     kept.append(text[at:])
-    return "".join(kept), calls
+    return "".join(kept), calls, before
 
 
-def _parse_llama3(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+def _parse_llama3(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
     body = text.strip()
     body = body[len(LLAMA_PYTHON_TAG):] if body.startswith(LLAMA_PYTHON_TAG) else body
     calls = []
     for part in _split_top_level(body, ";"):  # a few fine-tunes write several, ";" between them
         found = _json_prefix(part)
         if found is None or part[found[1]:].strip() or not isinstance(found[0], dict):
-            return text, []
+            return text, [], ""
         call = use._call(found[0].get("name"), found[0].get("parameters", found[0].get("arguments")))
         if call is None:
-            return text, []
+            return text, [], ""
         calls.append(call)
-    return "", calls
+    return "", calls, ""
 
 
 def _split_top_level(text: str, separator: str) -> list[str]:
@@ -332,67 +350,74 @@ def _split_top_level(text: str, separator: str) -> list[str]:
     return [part for part in parts if part.strip()]
 
 
-def _parse_mistral(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+def _parse_mistral(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
     opened = text.find(MISTRAL_CALLS)
     if opened < 0:
-        return text, []
+        return text, [], ""
     found = _json_prefix(text[opened + len(MISTRAL_CALLS):])
     if found is None or not isinstance(found[0], list):
-        return text, []
+        return text, [], ""
     calls = []
     for entry in found[0]:
         call = use._call(entry.get("name"), entry.get("arguments")) if isinstance(entry, dict) else None
         if call is None:
-            return text, []
+            return text, [], ""
         calls.append(call)
     rest = text[opened + len(MISTRAL_CALLS) + found[1]:]
-    return text[:opened] + rest, calls
+    return text[:opened] + rest, calls, text[:opened]
 
 
-def _parse_mistral_args(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
+def _parse_mistral_args(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
     opened = text.find(MISTRAL_CALLS)
     if opened < 0:
-        return text, []
+        return text, [], ""
     calls, at = [], opened
     while text.startswith(MISTRAL_CALLS, at):
         head_end = text.find(MISTRAL_ARGS, at)
         if head_end < 0:
-            return text, []
+            return text, [], ""
         name = text[at + len(MISTRAL_CALLS):head_end].split(MISTRAL_ID)[0].strip()
         found = _json_prefix(text[head_end + len(MISTRAL_ARGS):])
         call = None if found is None else use._call(name, found[0])
         if call is None:
-            return text, []
+            return text, [], ""
         calls.append(call)
         at = head_end + len(MISTRAL_ARGS) + found[1]
         at += len(text[at:]) - len(text[at:].lstrip())
-    return text[:opened] + text[at:], calls
+    return text[:opened] + text[at:], calls, text[:opened]
 
 
-_PARSERS: dict[str, Callable[[str, ToolUse], tuple[str, list[ToolCall]]]] = {
+_PARSERS: dict[str, Callable[[str, ToolUse], tuple[str, list[ToolCall], str]]] = {
     "hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_mistral, "mistral_args": _parse_mistral_args}
 
 
 class CallStream:
     """Tells a streamed reply's text from its calls, piece by piece: text goes out as it comes,
     but for what may be the start of a call (held back until it is known); a call goes out once it
-    is whole (hermes: at its closing tag; the others: at the end of the reply). At the end, what
-    was held and made no call goes out as text: nothing the model wrote is lost."""
+    is whole (hermes: at its closing tag; the others: at the end of the reply). What says nothing
+    beside a call (whitespace around calls; an empty reasoning block before the first) is held,
+    dropped if a call follows it and sent if text does, as `parse` reads the whole. At the end,
+    what was held and made no call goes out as text: nothing the model wrote is lost."""
 
     def __init__(self, use: ToolUse, seed: str) -> None:
         self.use, self.seed = use, seed
-        self._held = ""  # text not yet sent: a possible opener, or a call being written
+        self._held = ""  # text not yet read: a possible opener, or a call being written
         self._in_call = False
         self._started = False  # anything but whitespace was seen (llama3's call is the whole reply)
+        self._begun = False  # the reply's start is known not to be an empty reasoning block (or was one)
         self.calls: list[ToolCall] = []  # every call sent so far, in order
-        self._space = ""  # whitespace after a call, held until text follows it
+        self._quiet = ""  # read, but sent only if text follows it (dropped if a call does)
+        self._hush = False  # whitespace is held in `_quiet` (right after a call or an empty reasoning block)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(text to send now, calls to send now) after the reply's next piece `text`."""
         if not self.use.reads_calls:
             return text, []
         self._held += text
-        out, calls = "", []
+        if not self._begun and not self._lead():
+            return "", []
+        out: list[str] = []
+        calls: list[ToolCall] = []
         while self._held:
             if self._in_call:
                 if self.use.format != "hermes":
@@ -401,32 +426,63 @@ class CallStream:
                 if closing < 0:
                     break
                 body, self._held = self._held[:closing + len(HERMES_CLOSE)], self._held[closing + len(HERMES_CLOSE):]
-                content, found = self.use.parse(body, self.seed, len(self.calls) + len(calls))
-                out += content or ""
-                calls += found
                 self._in_call = False
+                found = self.use.parse(body, self.seed, len(self.calls) + len(calls))[1]
+                if found:
+                    calls += found
+                    self._quiet, self._hush = "", True  # what came just before it said nothing
+                else:
+                    self._say(body, out)  # not a call: text, as written
                 continue
             start = self._opening()
             if start is None:  # no opener here, nor the start of one at the end: all of it is text
-                out += self._held
-                self._started = self._started or bool(self._held.strip())
+                self._say(self._held, out)
                 self._held = ""
                 break
             at, complete = start
-            if not complete:  # the end may begin an opener: hold it
-                out += self._held[:at]
-                self._started = self._started or bool(self._held[:at].strip())
-                self._held = self._held[at:]
-                break
-            out += self._held[:at]
+            self._say(self._held[:at], out)
             self._held = self._held[at:]
+            if not complete:  # the end may begin an opener: hold it
+                break
             self._in_call = True
         self.calls += calls
-        if self.calls and not out.strip():  # between or after calls: sent only if text follows
-            self._space, out = self._space + out, ""
-        elif out:
-            out, self._space = self._space + out, ""
-        return out, calls
+        return "".join(out), calls
+
+    def _say(self, text: str, out: list[str]) -> None:
+        """Send `text`, unless it is whitespace right after a call (or an empty reasoning block):
+        that is held until text follows it."""
+        if not text:
+            return
+        if self._hush and not text.strip():
+            self._quiet += text
+            return
+        self._started = self._started or bool(text.strip())
+        out.append(self._quiet + text)
+        self._quiet, self._hush = "", False
+
+    def _lead(self) -> bool:
+        """At the reply's start: an empty reasoning block there is set aside (True: read on), or
+        what is held may still become one (False: wait for more)."""
+        found = EMPTY_THINKING.match(self._held)
+        if found is not None:
+            self._quiet, self._held, self._hush = self._held[:found.end()], self._held[found.end():], True
+        elif any(block.startswith(self._held.lstrip()) for block in ("<think>\n\n</think>", "<think></think>")) \
+                and len(self._held) < 64:
+            return False
+        self._begun = True
+        return True
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(text, calls) the end of the reply releases."""
+        held, self._held = self._held, ""
+        if self._in_call:
+            content, calls = self.use.parse(held, self.seed, len(self.calls))
+            if calls:
+                self.calls += calls
+                return content or "", calls
+        if self.calls and not held.strip():
+            return "", []
+        return self._quiet + held, []  # no call after all: as written
 
     def _opening(self) -> tuple[int, bool] | None:
         """Where in the held text a call opens (and whether the opener is whole), or None."""
@@ -457,16 +513,6 @@ class CallStream:
                     break
         return best
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(text, calls) the end of the reply releases."""
-        held, self._held = self._held, ""
-        if self._in_call:
-            content, calls = self.use.parse(held, self.seed, len(self.calls))
-            if calls:
-                self.calls += calls
-                return content or "", calls
-        return ("" if self.calls and not held.strip() else self._space + held), []  # no call after all: as written
-
 
 def new_seed() -> str:
     """A reply's seed for its calls' ids: 16 hex digits, random."""
@@ -478,7 +524,7 @@ def special_marks(tokenize: Callable[[str], list[int]]) -> dict[str, int]:
     given the tokenizer (special tokens parsed): a constrained call writes the token, as the
     model does, not the mark's text spelled out in ordinary tokens."""
     marks = {}
-    for mark in (MISTRAL_CALLS, MISTRAL_ARGS):
+    for mark in (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_ID):
         ids = tokenize(mark)
         if len(ids) == 1:
             marks[mark] = ids[0]
