@@ -11,6 +11,12 @@ With --llama-server the same schemas go to llama.cpp's llama-server (built as th
 benchmarks build it) as OpenAI's `response_format` with the schema, greedy, the same max_tokens,
 checked the same way: where it fails, and how, is printed beside ours.
 
+Tool calls are swept the same way (`--tools`, on by default): each schema becomes a function's
+parameters, offered with two others, and the model is asked to call the right one with
+`tool_choice: "required"`; every call must be of an offered function and its arguments valid
+under that function's parameters, and the reply must not be cut by max_tokens. With
+--llama-server the same requests go to llama-server (`--jinja`, its own tool call handling).
+
 tests/superfluid/test_structured_real.py runs a few of these as `real_model` tests.
 """
 
@@ -164,6 +170,81 @@ def run_sweep(host: Host, schemas=SCHEMAS, *, seed: int = 0) -> list[tuple[str, 
     return results
 
 
+def _slug(what: str) -> str:
+    return "_".join(word for word in "".join(c if c.isalnum() else " " for c in what).split()[:4]).lower()
+
+
+def tool_requests(schemas=SCHEMAS) -> list[tuple[str, list[dict]]]:
+    """(what to ask for, the tools offered) for each schema: a function `save_<what>` taking it
+    (an array or a value of another type is the function's one `value` argument), offered with
+    the functions of the next two schemas."""
+    tools = []
+    for what, schema in schemas:
+        parameters = schema if schema.get("type") == "object" else {
+            "type": "object", "properties": {"value": schema}, "required": ["value"], "additionalProperties": False}
+        tools.append({"type": "function", "function": {"name": f"save_{_slug(what)}",
+                                                         "description": f"Save {what}.", "parameters": parameters}})
+    return [(what, [tools[i], tools[(i + 1) % len(tools)], tools[(i + 2) % len(tools)]])
+            for i, (what, _) in enumerate(schemas)]
+
+
+def check_calls(calls: list[tuple[str, str]], tools: list[dict], finish: str) -> str | None:
+    """Why a reply's (name, arguments) calls fail (None: every one is a valid call of an offered tool)."""
+    if finish == "length":
+        return "cut: length"
+    if not calls:
+        return "no call"
+    offered = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    for name, arguments in calls:
+        if name not in offered:
+            return f"a call of {name!r}, not offered"
+        try:
+            jsonschema.validate(json.loads(arguments), offered[name])
+        except (ValueError, jsonschema.ValidationError) as exc:
+            return f"{name}: {str(exc)[:120]}: {arguments[:120]!r}"
+    return None
+
+
+def run_tool_sweep(host: Host, schemas=SCHEMAS, *, seed: int = 0) -> list[tuple[str, bool, str]]:
+    """(what, passed, the calls or why not) for each tool request on `host`."""
+    results = []
+    for what, tools in tool_requests(schemas):
+        session = host.session(temperature=0.0, seed=seed, tools=tools)
+        session.append_user(f"Save {what}.")
+        generation = session.generate(max_tokens=MAX_TOKENS, tool_choice="required")
+        generation.collect()
+        calls = [(call.name, call.arguments) for call in generation.reply()[1]]
+        failure = check_calls(calls, tools, generation.finish_reason)
+        results.append((what, failure is None, failure or repr(calls)[:160]))
+        host.delete(session.id)
+    return results
+
+
+def peer_tool_sweep(model_path: Path, schemas=SCHEMAS) -> list[tuple[str, bool, str]]:
+    """(what, passed, the calls or why not) for each tool request sent to llama-server."""
+    from benchmarks.servers import start_peer
+    import openai
+
+    served = start_peer(model_path, 4096, extra=("--jinja",))
+    results = []
+    try:
+        for what, tools in tool_requests(schemas):
+            try:
+                reply = served.client.chat.completions.create(
+                    model=served.model, messages=[{"role": "user", "content": f"Save {what}."}], tools=tools,
+                    tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.0)
+            except openai.APIError as exc:
+                results.append((what, False, f"refused: {exc}"[:200]))
+                continue
+            message = reply.choices[0].message
+            calls = [(call.function.name, call.function.arguments) for call in message.tool_calls or ()]
+            failure = check_calls(calls, tools, reply.choices[0].finish_reason)
+            results.append((what, failure is None, failure or repr(calls)[:160]))
+    finally:
+        served.stop()
+    return results
+
+
 def peer_sweep(model_path: Path, schemas=SCHEMAS) -> list[tuple[str, bool, str]]:
     """(what, passed, the output or why not) for each schema sent to llama-server."""
     from benchmarks.servers import start_peer
@@ -200,33 +281,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtimes", nargs="+", default=["llamacpp", "mlx"])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--llama-server", action="store_true", help="also send the same requests to llama-server")
+    parser.add_argument("--no-tools", dest="tools", action="store_false", help="sweep the schemas only")
+    parser.add_argument("--no-schemas", dest="schemas", action="store_false", help="sweep the tool calls only")
     args = parser.parse_args(argv)
     failed = 0
+    sweeps = [(name, ours, theirs) for name, ours, theirs, wanted in (
+        ("response_format json_schema", run_sweep, peer_sweep, args.schemas),
+        ("tool calls, tool_choice required", run_tool_sweep, peer_tool_sweep, args.tools)) if wanted]
     for model_name in args.models:
         path = models.default_model() if model_name == "smollm2" else models.gemma3_model()
         for runtime in args.runtimes:
             with tempfile.TemporaryDirectory() as directory, \
                     Host(path, runtime=runtime, pool_name=f"structured-{Path(directory).name}", log_dir=directory,
                          **({"llamacpp_threads": 2} if runtime == "llamacpp" else {})) as host:
-                began = time.perf_counter()
-                results = run_sweep(host)
+                for name, ours, _ in sweeps:
+                    began = time.perf_counter()
+                    results = ours(host)
+                    failed += _report(f"{model_name} on {runtime} ({name})", results, began)
                 host.close(remove_pool=True)
-            passed = sum(ok for _, ok, _ in results)
-            failed += len(results) - passed
-            print(f"{model_name} on {runtime}: {passed}/{len(results)} valid ({time.perf_counter() - began:.0f} s)")
-            for what, ok, detail in results:
-                if not ok:
-                    print(f"    FAILED {what}: {detail}")
         if args.llama_server:
-            began = time.perf_counter()
-            results = peer_sweep(path)
-            passed = sum(ok for _, ok, _ in results)
-            print(f"{model_name} on llama-server (response_format json_schema): {passed}/{len(results)} valid "
-                  f"({time.perf_counter() - began:.0f} s)")
-            for what, ok, detail in results:
-                if not ok:
-                    print(f"    FAILED {what}: {detail}")
+            for name, _, theirs in sweeps:
+                began = time.perf_counter()
+                _report(f"{model_name} on llama-server ({name})", theirs(path), began)
     return 1 if failed else 0
+
+
+def _report(label: str, results: list[tuple[str, bool, str]], began: float) -> int:
+    """Print a sweep's pass rate and its failures; the number that failed."""
+    passed = sum(ok for _, ok, _ in results)
+    print(f"{label}: {passed}/{len(results)} valid ({time.perf_counter() - began:.0f} s)")
+    for what, ok, detail in results:
+        if not ok:
+            print(f"    FAILED {what}: {detail}")
+    return len(results) - passed
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Tool calls in the Host, on both runtimes: a session offering tools, a reply constrained to calls
 of them (each call's arguments checked with a JSON Schema validator against its tool's
 parameters), the calls kept in the session log and rendered back by the template, a tool's result
-appended, and all of it as it was after a restart."""
+appended, and all of it as it was after a restart; a required call swapped out and back in under
+load goes on exactly as it would have alone."""
 
 import json
 
@@ -9,7 +10,9 @@ import jsonschema
 import pytest
 
 from superfluid.host.errors import ChatError
+from superfluid.host.request import GenerateRequest
 from superfluid.host.tools import ToolError
+from tests.gate import Gate, decode_steps_of, start_together
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -112,3 +115,32 @@ def test_a_malformed_tool_message_is_refused_and_appends_nothing(open_host):
     with pytest.raises(ChatError, match="only a tool message"):
         session.append_messages({"role": "user", "content": "x", "tool_call_id": "a"})
     assert session.tokens == tokens and len(session.messages) == 1
+
+
+def test_a_required_call_swapped_out_and_back_goes_on_exactly(open_host, runtime, tmp_path):
+    limits = {"llamacpp": {"llamacpp_n_seq_max": 2}, "mlx": {"mlx_max_sequences": 2}}[runtime]
+    gate = Gate(decode_steps_of(lanes=2, count=3))  # both calls are being written
+    host = open_host(gate=gate, **limits)
+    urgent = host.session(priority="interactive")
+    urgent.append_text("Hello")
+    sessions = []
+    for seed in (1, 2):
+        sessions.append(host.session(priority="background", temperature=1.0, seed=seed, tools=TOOLS))
+        sessions[-1].append_user("Weather and time, please.")
+    use = host.tool_use(TOOLS, "required")
+    request = GenerateRequest.of(max_tokens=200, constraint=host.grammars.compile(use.constraint()), tools=use)
+    background = start_together(host, sessions, request)
+    gate.generate_while_held(host, urgent, max_tokens=3).collect()
+    replies = []
+    for generation in background:
+        generation.collect()
+        replies.append(generation.reply())
+    assert host.stats().preemptions >= 1
+    lone = open_host(pool_name=f"lone-{runtime}", log_dir=tmp_path / "lone-log")
+    for seed, (content, calls) in zip((1, 2), replies):
+        session = lone.session(temperature=1.0, seed=seed, tools=TOOLS)
+        session.append_user("Weather and time, please.")
+        alone = session.generate(max_tokens=200, tool_choice="required")
+        alone.collect()
+        assert content is None and calls and all(valid_call(call) is not None for call in calls)
+        assert [(c.name, c.arguments) for c in alone.reply()[1]] == [(c.name, c.arguments) for c in calls]
