@@ -24,8 +24,14 @@ compiled matcher, token by token. So:
   given; without this, a small model went on adding keys until `max_tokens` cut it (SmolLM2: 4 of
   32 schemas of benchmarks/structured.py).
 
-Errors: a schema or grammar that does not compile, or is past MAX_SOURCE, is a ConstraintError
-before anything is queued; a generation whose grammar allows no next token ends with one.
+Errors: a schema or grammar that does not compile, is past MAX_SOURCE, or took longer than
+`compile_seconds` to compile, is a ConstraintError before anything is queued; a generation whose
+grammar allows no next token ends with one.
+
+Compiling costs what the grammar asks: llguidance bounds it with fuel (LIMITS: the lexer's
+regular expressions, the grammar's size, its lexer states), and a grammar that compiled within
+those but took longer than `compile_seconds` is refused all the same, and remembered as refused,
+so that a client resending it costs nothing the second time.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,6 +53,14 @@ from engines.base import TokenVocabulary
 from superfluid.host.errors import SuperfluidError
 
 MAX_SOURCE = 256 * 1024  # bytes of a schema or grammar as given (a real one is a few KiB)
+COMPILE_SECONDS = 2.0  # a constraint that takes longer to compile is refused (the schemas of
+# benchmarks/structured.py compile in 0.6-1.0 ms on the models here)
+# llguidance's own bounds on the work of compiling and of each mask, at its defaults (the lexer's
+# initial fuel, 1,000,000 at about 50,000 a millisecond; 500,000 grammar symbols; 250,000 lexer
+# states): given here so that they are ours to change. Heavy schemas within them (40 patterned
+# properties, a 3,000-value enum, 30 nested objects, a 300-branch pattern) compiled in 6-15 ms
+# against SmolLM2's vocabulary.
+LIMITS = llguidance.LLParserLimits()
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 # JSON as the constraint writes it: compact, no free whitespace (llguidance's options, applied over
 # whatever a schema's own "x-guidance" says)
@@ -280,14 +295,18 @@ class Grammars:
     vocabulary, made on first use, and the last `capacity` constraints compiled against it."""
 
     def __init__(self, vocabulary: Callable[[], TokenVocabulary], tokenize: Callable[[str], list[int]],
-                 end_tokens: Sequence[int], vocab_size: int, capacity: int = 64) -> None:
+                 end_tokens: Sequence[int], vocab_size: int, capacity: int = 64,
+                 compile_seconds: float = COMPILE_SECONDS, clock: Callable[[], float] = time.perf_counter) -> None:
         """`vocabulary`: the tokenizer's (asked once, when the first constraint is compiled);
         `tokenize`: text to ids without special tokens; `end_tokens`: what ends a generation;
-        `vocab_size`: the length of the logits rows."""
+        `vocab_size`: the length of the logits rows; `compile_seconds`: the longest a constraint
+        may take to compile (timed on `clock`)."""
         self._vocabulary, self._tokenize = vocabulary, tokenize
         self.end_tokens, self.vocab_size, self.capacity = tuple(end_tokens), vocab_size, capacity
+        self.compile_seconds, self._clock = compile_seconds, clock
         self._tokenizer: llguidance.LLTokenizer | ConstraintError | None = None  # (an error: it cannot be made)
         self._compiled: OrderedDict[Constraint, Compiled] = OrderedDict()
+        self._too_slow: OrderedDict[Constraint, ConstraintError] = OrderedDict()  # refused for their compile time
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -300,12 +319,25 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
                 self.hits += 1
                 return found
+            refused = self._too_slow.get(constraint)
+            if refused is not None:
+                raise refused
             self.misses += 1
             tokenizer = self._tokenizer_view()
+        began = self._clock()
         grammar = constraint.grammar()  # outside the lock: a long grammar does not hold up the others
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise ConstraintError(f"the {constraint.kind} does not compile: {matcher.get_error()}")
+        took = self._clock() - began
+        if took > self.compile_seconds:
+            refused = ConstraintError(f"the {constraint.kind} took {took:.1f} s to compile, past the limit of "
+                                      f"{self.compile_seconds:g} s: give a simpler one")
+            with self._lock:
+                self._too_slow[constraint] = refused
+                while len(self._too_slow) > self.capacity:
+                    self._too_slow.popitem(last=False)
+            raise refused
         compiled = Compiled(constraint, matcher, self.vocab_size)
         with self._lock:
             self._compiled[constraint] = compiled

@@ -186,3 +186,18 @@ def test_schema_true_is_any_value_and_false_is_refused():
     assert json.loads(Constraint.json_schema(True).source) == {}
     with pytest.raises(ConstraintError, match="accepts no value"):
         Constraint.json_schema(False)
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])  # (the compiler is the same for both)
+def test_a_constraint_that_takes_too_long_to_compile_is_refused_and_remembered(open_host):
+    host, session = constrained_host(open_host, "llamacpp")
+    grammars = host.grammars
+    ticks = iter(range(0, 1000, 3))  # each reading of the clock 3 s after the last: every compile "takes" 3 s
+    grammars._clock, grammars.compile_seconds = lambda: next(ticks), 2.0
+    slow = Constraint.regex("[a-z]{5}")
+    with pytest.raises(ConstraintError, match="took 3.0 s to compile, past the limit of 2 s"):
+        session.generate(max_tokens=4, constraint=slow)
+    misses = grammars.misses
+    with pytest.raises(ConstraintError, match="past the limit"):  # refused again without compiling
+        grammars.compile(slow)
+    assert grammars.misses == misses and host.stats().generations == 0
