@@ -130,6 +130,7 @@ class Host:
         engine = self._scheduler.engine
         self._tokenizes_anywhere = callable(getattr(engine, "tokenizer", None))
         self.prompts = PromptBuilder(self.descriptor, engine.tokenizer() if self._tokenizes_anywhere else engine)
+        self._marks: dict[str, int] | None = None  # the tool call formats' marks that are special tokens
         text = engine.tokenizer() if self._tokenizes_anywhere else engine
         # constraints are compiled on the callers' threads, against the tokenizer's vocabulary
         self.grammars = Grammars(lambda: _vocabulary_of(text), lambda s: text.tokenize(s, special=False),
@@ -178,7 +179,9 @@ class Host:
         """How a generation may call `tools` (OpenAI's `tools`, `tool_choice` and
         `parallel_tool_calls`: ToolUse.of), in the model's own format; made on the calling thread.
         ToolError naming what is wrong."""
-        return self.prompts.template.tool_use(tools, choice, parallel, special_marks(self.prompts.tokenize))
+        if self._marks is None:  # (the vocabulary's: the same every time)
+            self._marks = special_marks(self.prompts.tokenize)
+        return self.prompts.template.tool_use(tools, choice, parallel, self._marks)
 
     def append_messages(self, session_id: str, messages: Sequence[Any], *, tenant: str | None = None) -> None:
         """Chat messages (messages.ChatMessage, (role, content) pairs, or dicts in OpenAI's shape,

@@ -64,6 +64,7 @@ class Sessions:
         self.kv: KVManager | None = None  # set once the KV manager exists (it records parks here)
         self._request_ids = itertools.count(1)
         self._chat: ChatTemplate | None = None
+        self._marks: dict[str, int] | None = None  # the tool call formats' marks that are special tokens
         self.turns_closed = 0  # assistant turns a crash left open, closed at recovery
 
     # ----------------------------------------------------------------------------- finding
@@ -242,7 +243,9 @@ class Sessions:
     def tool_use(self, tools: Tools, choice: Any = None, parallel: bool | None = None) -> ToolUse:
         """How a generation may call `tools` (ToolUse.of's fields), in the format of the model's
         template, with the format's marks that are special tokens of the vocabulary."""
-        return self.template().tool_use(tools, choice, parallel, special_marks(self._tokenize))
+        if self._marks is None:  # (the vocabulary's: the same every time)
+            self._marks = special_marks(self._tokenize)
+        return self.template().tool_use(tools, choice, parallel, self._marks)
 
     def chat_view(self, live: Live) -> tuple[int, tuple[dict, ...], Tools | None]:
         """What appending messages renders against: (`live`'s version, its messages, the tools its
