@@ -42,7 +42,8 @@ _short = {"type": "string", "minLength": 1, "maxLength": 24}
 
 # (what to ask for, the schema). Every string, number and array is bounded: a small model decoding
 # greedily can repeat a digit or a word until max_tokens (Gemma 3 wrote an id of 120 fives, and a
-# longitude of 111.111...: `multipleOf` bounds a number's decimals; a binary fraction, so that the
+# longitude of 111.111...; SmolLM2, asked for a call with a time, 300 digits of its fraction of a
+# second: `format: time` allows any number; `multipleOf` bounds a number's decimals; a binary fraction, so that the
 # validator's float arithmetic agrees), and an output cut by length fails: a schema must fit in
 # the tokens given.
 SCHEMAS: list[tuple[str, dict]] = [
@@ -66,7 +67,8 @@ SCHEMAS: list[tuple[str, dict]] = [
                                                     "phone": {"type": "string", "pattern": "^\\+?[0-9]{7,12}$"}},
                    "required": ["email", "phone"]}),
     ("a date and a time", {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
-                                                            "time": {"type": "string", "format": "time"}},
+                                                            "time": {"type": "string", "format": "time",
+                                                                     "maxLength": 20}},
                            "required": ["date", "time"]}),
     ("a rating of a film", {"type": "object", "properties": {"film": _name, "stars": {"type": "integer",
                                                                                        "minimum": 1, "maximum": 5},
@@ -142,7 +144,7 @@ SCHEMAS: list[tuple[str, dict]] = [
         "theme": {"enum": ["light", "dark"]}, "font_size": {"type": "integer", "minimum": 8, "maximum": 32},
         "notifications": {"type": "boolean"}}, "required": ["theme"], "additionalProperties": False}),
     ("an event", {"type": "object", "properties": {
-        "title": _name, "start": {"type": "string", "format": "date-time"},
+        "title": _name, "start": {"type": "string", "format": "date-time", "maxLength": 32},
         "attendees": {"type": "integer", "minimum": 0, "maximum": 500}}, "required": ["title", "start",
                                                                                      "attendees"]}),
     ("a matrix of two rows", {"type": "array", "minItems": 2, "maxItems": 2, "items": {

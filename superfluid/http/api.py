@@ -402,10 +402,9 @@ def message_of(message: Message) -> ChatMessage:
 def tool_use_of(request: ChatRequest | SessionGenerate, tools: Any, make: Callable[..., ToolUse]) -> ToolUse | None:
     """How the request's generation may call `tools` (None: no tools and no choice), made by
     `make` (Host.tool_use: the model's own format); ApiError 400 naming what is wrong."""
-    if tools is None:
-        for name in ("tool_choice", "parallel_tool_calls"):
-            if getattr(request, name) is not None and getattr(request, name) != "none":
-                raise ApiError(400, f"`{name}` needs `tools` to choose from", param=name)
+    if tools is None:  # (a choice of none or auto, or parallel_tool_calls, asks nothing without tools)
+        if request.tool_choice is not None and request.tool_choice not in ("none", "auto"):
+            raise ApiError(400, "`tool_choice` needs `tools` to choose from", param="tool_choice")
         return None
     try:
         return make(tools, request.tool_choice, request.parallel_tool_calls)

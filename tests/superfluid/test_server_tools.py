@@ -101,11 +101,19 @@ def test_auto_reads_a_call_the_model_wrote_and_leaves_text_as_text(served):
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     assert choice.message.tool_calls[0].function.name == "get_time"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"zone": "UTC"}
+    # two calls, streamed: text first, then each call at its index, the ids those of the whole reply's kind
+    second = call.replace("UTC", "CET")
     stream = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
-                                            stream=True, extra_body={"guided_regex": "Checking\\. " + _escaped(call)})
+                                            stream=True,
+                                            extra_body={"guided_regex": "Checking\\. " + _escaped(f"{call}\n{second}")})
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Checking."
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    parts = [part for c in chunks for part in c.choices[0].delta.tool_calls or ()]
+    assert [part.index for part in parts] == [0, 0, 1, 1]
+    assert [json.loads(part.function.arguments) for part in parts if part.function.arguments] == \
+        [{"zone": "UTC"}, {"zone": "CET"}]
+    assert parts[0].id != parts[2].id and parts[0].id.startswith("call_")
     # a call of a function not offered is text
     unknown = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
     reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
@@ -161,3 +169,10 @@ def test_tools_that_cannot_be_used_are_a_400_before_any_byte_of_a_stream(served,
 def test_a_malformed_tool_message_is_a_400_naming_it(served, message, names):
     with pytest.raises(openai.BadRequestError, match=names):
         served.client().chat.completions.create(model=served.model, messages=[*MESSAGES, message], max_tokens=5)
+
+
+def test_tool_fields_that_ask_nothing_without_tools_are_taken(served):
+    # clients send these with every request, tools or not: they change nothing then
+    reply = served.client().chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=3,
+                                                    tool_choice="auto", parallel_tool_calls=False)
+    assert reply.choices[0].message.tool_calls is None and reply.usage.completion_tokens >= 1
