@@ -311,11 +311,13 @@ class Session:
         and `constraint` where neither `choice` nor `parallel` is given (the host reads the reply
         for calls of the session's tools, if it offers any); else the session's tools, fetched,
         with a choice of calls compiled into the constraint. ToolError where the session offers
-        none, or a constraint is given beside a choice that constrains."""
+        none and a call is required, or a constraint is given beside a choice that constrains."""
         if choice is None and parallel is None:
             return None, constraint
         tools = self._call(self._host.commands.tools)
         if tools is None:
+            if choice in (None, "none", "auto"):
+                return None, constraint  # nothing to choose from, and nothing asked of it
             raise ToolError(f"session {self.id!r} offers no tools; give them when making it: "
                             "Host.session(tools=[...])")
         use = self._host.tool_use(tools, choice, parallel)

@@ -11,7 +11,8 @@ assistant message that made one (and, for most, tells the model in the tools' de
     mistral_args  [TOOL_CALLS]f[ARGS]{...}, repeated                              Mistral Small 3.2
 
 `format_of` reads which one from the template's source. A template that takes no tools (its
-source never reads `tools`: ChatML, SmolLM2's, Gemma's) gets them described in a system message
+source never reads `tools`: ChatML, the one used where a model ships none, as the Gemma 3 GGUF
+here; SmolLM2's) gets them described in a system message
 that asks for the hermes format, and sees earlier calls and their results written in it
 (`as_plain_messages`).
 
@@ -39,7 +40,7 @@ from superfluid.host.messages import ToolCall
 
 FORMATS = ("hermes", "llama3", "mistral", "mistral_args")
 CHOICES = ("none", "auto", "required", "function")
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function's name (and a dot, MCP's)
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function's name, and '.' (namespaced names)
 MAX_TOOLS = 128  # OpenAI's own limit on the tools of one request
 # The JSON of a call as the templates render it (`tojson`: json.dumps' separators), no other whitespace
 CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
