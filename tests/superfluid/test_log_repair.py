@@ -16,8 +16,8 @@ from superfluid.host import log as log_module
 from superfluid.host import log_records
 from superfluid.host.errors import LogCorrupt
 from superfluid.host.log import SessionLog
-from superfluid.host.log_records import Opened, Tokens, Turn
-from superfluid.host.log_format import FILE_HEADER, Damage, file_header, scan
+from superfluid.host.log_records import Opened, Tokens, Turn, counter
+from superfluid.host.log_format import FILE_HEADER, Damage, file_header, frame, scan
 from superfluid.host.log_repair import examine, repair
 from superfluid.host.sampling import Sampling
 from tests.conftest import remove_segment, unique_pool_name
@@ -141,7 +141,34 @@ def v1_log(records) -> bytes:
     return b"".join(frames)
 
 
-def test_a_log_of_format_1_is_read_and_rewritten_as_format_2(tmp_path):
+def test_a_log_of_format_2_is_read_and_rewritten_as_format_3_and_holds_tool_calls_after(tmp_path):
+    records = [Opened("a", 1.0, Sampling(seed=2), "default", tenant="t"), Turn("a", "user", "hi", 2),
+               Tokens("a", 0, [5, 6])]
+    numbers: dict = {}
+    number = counter(numbers)
+    (tmp_path / "sessions.log").write_bytes(
+        file_header(2) + b"".join(frame(msgspec.msgpack.encode(r), number(r)) for r in records))
+    log = SessionLog(tmp_path)
+    assert log.path.read_bytes().startswith(FILE_HEADER) and FILE_HEADER == file_header(3)  # rewritten on open
+    assert log.states["a"].tokens == [5, 6] and log.states["a"].tenant == "t" and log.states["a"].tools is None
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    log.append(Turn("a", "assistant", "", 2, tool_calls=[call]), Turn("a", "tool", "42", 2, tool_call_id="c1", name="f"))
+    log.close()
+    again = SessionLog(tmp_path)
+    assert again.states["a"].messages == [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "", "tool_calls": [call]},
+                                          {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}]
+    again.close()
+
+
+def test_a_log_of_a_format_this_release_does_not_know_is_refused_naming_it(tmp_path):
+    (tmp_path / "sessions.log").write_bytes(file_header(4))
+    with pytest.raises(LogCorrupt, match="format 4"):
+        SessionLog(tmp_path)
+    assert (tmp_path / "sessions.log").read_bytes() == file_header(4)  # left as it was
+
+
+def test_a_log_of_format_1_is_read_and_rewritten_in_the_current_format(tmp_path):
     (tmp_path / "sessions.log").write_bytes(v1_log([Opened("a", 1.0, Sampling(seed=2), "default"),
                                                     Turn("a", "user", "hi", 2), Tokens("a", 0, [5, 6])]))
     log = SessionLog(tmp_path)
