@@ -141,10 +141,14 @@ class KVManager:
         uncached = len(live.state.tokens) - max(source.lane_tokens, source.pool_tokens)
         keep = source.lane if source.forks else None
         if not self._make_room(live, self.cells_needed(live, source), keep, uncached):
-            # The idle lane it would fork may be what stands in the way (it holds the engine's
-            # last free sequence): park it too, and start from its parked KV instead.
-            if keep is None or keep.job is not None or not self._make_room(
-                    live, self.cells_needed(live, Source(None, 0, source.match)), None, uncached):
+            # The lane it would fork may be what stands in the way: it holds the engine's last
+            # free sequence, idle, or running and less urgent (an interactive chat whose only
+            # shared prefix with a background job is the template's first token). Start without
+            # it (from the pool, or the prompt), which lets it be parked or swapped out like any
+            # other lane.
+            alone = Source(None, 0, source.match)
+            if keep is None or not self._make_room(live, self.cells_needed(live, alone), None,
+                                                   len(live.state.tokens) - source.pool_tokens):
                 return False
         if source.lane is not None and source.lane.seq is None:
             source = self.source(live)  # the lane it would fork was parked to make room

@@ -46,6 +46,27 @@ def test_an_interactive_arrival_preempts_and_the_lane_resumes_as_if_uninterrupte
     assert [g.tokens for g in background] == expected  # token for token
 
 
+def test_an_interactive_arrival_sharing_a_prefix_with_the_running_lane_preempts_it(open_host, runtime, tmp_path):
+    # One sequence, held by a background generation whose prompt begins as the arrival's does:
+    # the arrival's best source is that running lane (to fork), which must not keep it waiting
+    # for the whole background job (it did: a chat behind a tool call on the server).
+    one = {"llamacpp": {"llamacpp_n_seq_max": 1}, "mlx": {"mlx_max_sequences": 1}}[runtime]
+    gate = Gate(decode_steps_of(lanes=1, count=3))
+    host = open_host(gate=gate, **one)
+    urgent = host.session(priority="interactive")
+    urgent.append_text(PROMPT + " sleeps")
+    running = host.session(priority="background", temperature=0.8, seed=1)
+    running.append_text(PROMPT)
+    background = running.generate(max_tokens=400, ignore_eos=True)
+    quick = gate.generate_while_held(host, urgent, max_tokens=3)
+    quick.collect()
+    assert host.published_stats().generating == 1  # the background job is still running
+    background.collect()
+    assert host.stats().preemptions == 1 and quick.finish_reason == "length"
+    expected = reference_tokens(open_host, runtime, [(PROMPT, 1)], tmp_path, max_tokens=400, ignore_eos=True)
+    assert [background.tokens] == expected  # and it went on exactly
+
+
 def test_a_default_arrival_waits_for_a_lane_instead_of_preempting(open_host, runtime):
     gate = Gate(decode_steps_of(lanes=2, count=2))  # both lanes hold the engine's two sequences
     host = open_host(gate=gate, **LIMITS[runtime])

@@ -3,14 +3,20 @@ model of random weights (its template takes no tools: they are described in a sy
 calls written in the hermes format): `tool_choice` required and named make the reply calls whose
 arguments validate against their tools' parameters, whole and as streamed tool-call deltas; a
 conversation that carries the calls and their results is accepted; `auto` reads what the model
-wrote; the session routes keep the calls; malformed tools are a 400 naming the problem."""
+wrote; the session routes keep the calls; malformed tools are a 400 naming the problem; a
+streamed call preempted by an interactive chat goes on exactly."""
 
+import concurrent.futures
 import json
+import threading
+import time
 
 import jsonschema
 import openai
 import pytest
 
+from superfluid.http.server import Server
+from tests.gate import WAIT_SECONDS, Gate, decode_steps_of
 from tests.superfluid.served import Served
 from tests.superfluid.test_tools import TOOLS
 
@@ -176,3 +182,53 @@ def test_tool_fields_that_ask_nothing_without_tools_are_taken(served):
     reply = served.client().chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=3,
                                                     tool_choice="auto", parallel_tool_calls=False)
     assert reply.choices[0].message.tool_calls is None and reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_a_required_call_streamed_over_http_and_preempted_goes_on_exactly(open_host, runtime):
+    """A background stream of a required call, swapped out for an interactive chat in the middle
+    of its call (one sequence: the engine holds one of them at a time), is answered with the
+    calls it makes alone."""
+    gate = Gate(decode_steps_of(lanes=1, count=3))  # the call is being written
+    host = open_host(gate=gate, llamacpp_n_seq_max=1)
+    server = Server(host, ("127.0.0.1", 0), allow_priority=True)
+    serving = threading.Event()
+    thread = threading.Thread(target=server.run, kwargs={"on_serving": serving.set}, daemon=True)
+    thread.start()
+    try:
+        assert serving.wait(WAIT_SECONDS)
+        client = openai.OpenAI(base_url=f"http://{server.address[0]}:{server.address[1]}/v1", api_key="unused",
+                               max_retries=0)
+        asked = {"model": "superfluid", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                 "max_tokens": 200, "temperature": 1.0, "seed": 9}
+
+        def streamed_calls() -> list[tuple[str, str]]:
+            calls: dict[int, list[str]] = {}
+            for chunk in client.chat.completions.create(**asked, stream=True, extra_body={"priority": "background"}):
+                for part in chunk.choices[0].delta.tool_calls or ():
+                    entry = calls.setdefault(part.index, ["", ""])
+                    entry[0] += part.function.name or ""
+                    entry[1] += part.function.arguments or ""
+            return [tuple(entry) for entry in calls.values()]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            background = pool.submit(streamed_calls)
+            gate.wait_reached()
+            urgent = pool.submit(client.chat.completions.create, model="superfluid", max_tokens=3,
+                                 messages=[{"role": "user", "content": "Hi"}], extra_body={"priority": "interactive"})
+            deadline = time.monotonic() + WAIT_SECONDS  # its command is queued behind the held step
+            while host._thread._commands.qsize() == 0:
+                assert time.monotonic() < deadline, "the interactive request never reached the host"
+                time.sleep(0.01)
+            gate.open()
+            assert urgent.result(WAIT_SECONDS).choices[0].message.content is not None
+            calls = background.result(WAIT_SECONDS)
+        assert host.stats().preemptions >= 1
+        alone = client.chat.completions.create(**asked, extra_body={"priority": "background"}).choices[0].message
+        assert calls and calls == [(call.function.name, call.function.arguments) for call in alone.tool_calls]
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+    finally:
+        server.stop()
+        thread.join(WAIT_SECONDS)
+        assert not thread.is_alive()
