@@ -38,6 +38,11 @@ TEMPLATE_FILES = {
 TOOL_TEMPLATE_FILES = {
     "Hermes 2 Pro": "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
     "Hermes 3": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    # templates that take tools and write calls in formats of their own, not read here
+    "Qwen3 Coder": "Qwen3-Coder.jinja",
+    "GLM 4.6": "GLM-4.6.jinja",
+    "Command R7B": "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+    "Functionary 3.1": "meetkai-functionary-medium-v3.1.jinja",
 }
 # model -> its name in llama.cpp's template test, whose template is a C string literal there
 TEMPLATE_TEST_ENTRIES = {"Phi 4": "phi-4"}

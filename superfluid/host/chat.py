@@ -86,14 +86,24 @@ class ChatTemplate:
         environment.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         try:
             self._template = environment.from_string(source or CHATML)
-            # a template that reads `tools` renders them itself; the others get them described
-            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source or CHATML))
+            reads_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source or CHATML))
         except jinja2.TemplateError as exc:
             raise ChatError(f"the model's chat template does not parse: {exc}") from None
-        self.tool_format = tool_calls.format_of(source, self.takes_tools)  # how its model writes a call
         self.thinks = "<think>" in (source or "")  # it may write an (empty) reasoning block before a reply
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
         self.messages_rendered = 0  # messages handed to the template so far, every rendering together
+        # A template that reads `tools` and shows its model writing calls in a format read here
+        # renders them itself; the others get them described (tools.as_plain_messages)
+        shown = reads_tools and tool_calls.format_shown(self._probe())
+        self.takes_tools, self.tool_format = bool(shown), shown or "hermes"
+
+    def _probe(self) -> str:
+        """How the template renders a call of a tool and its result ("" where it refuses)."""
+        try:
+            return self._template.render(messages=[for_template(m) for m in tool_calls.PROBE_CONVERSATION],
+                                         tools=tool_calls.PROBE_TOOLS, add_generation_prompt=True, **self._tokens)
+        except Exception:  # noqa: BLE001 - whatever the model's template raises, it shows no format here
+            return ""
 
     def tool_use(self, tools: Any, choice: Any, parallel: bool | None, markers: dict[str, int]) -> ToolUse:
         """How a generation may call `tools` (ToolUse.of's fields) in this template's format;

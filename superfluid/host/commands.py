@@ -8,6 +8,8 @@ sessions' state and records to `Sessions`, KV to the KV manager, generations to 
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 
 from engines.errors import EngineError
@@ -70,7 +72,13 @@ class Commands:
         self._check_session_cap()
         live = self.sessions.open(session_id, settings, priority, check_tenant(tenant), salt, tools)
         if system is not None:
-            self.sessions.append_messages(live, [("system", system)])
+            try:
+                self.sessions.append_messages(live, [("system", system)])
+            except BaseException:  # (a template that refuses it: Llama 3's, offered tools, wants the
+                # user message that carries them too): no session is left behind
+                self.kv.drop(live)
+                self.sessions.remove(live)
+                raise
         return live.state.id
 
     def close(self) -> None:
@@ -244,8 +252,8 @@ class Commands:
         return list(self._live(session_id, tenant).state.tokens)
 
     def messages(self, session_id: str, *, tenant: str | None = None) -> list[dict]:
-        """The session's chat messages."""
-        return [dict(m) for m in self._live(session_id, tenant).state.messages]
+        """The session's chat messages (copies: their tool calls too)."""
+        return copy.deepcopy(self._live(session_id, tenant).state.messages)
 
     def info(self, session_id: str, *, tenant: str | None = None) -> SessionInfo:
         """The session's summary."""

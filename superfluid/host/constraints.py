@@ -30,7 +30,7 @@ grammar allows no next token ends with one.
 
 Compiling costs what the grammar asks: llguidance bounds it with fuel (LIMITS: the lexer's
 regular expressions, the grammar's size, its lexer states), and a grammar that compiled within
-those but took longer than `compile_seconds` is refused all the same, and remembered as refused,
+those but took more than `compile_seconds` of CPU time is refused all the same, and remembered as refused,
 so that a client resending it costs nothing the second time.
 """
 
@@ -296,11 +296,13 @@ class Grammars:
 
     def __init__(self, vocabulary: Callable[[], TokenVocabulary], tokenize: Callable[[str], list[int]],
                  end_tokens: Sequence[int], vocab_size: int, capacity: int = 64,
-                 compile_seconds: float = COMPILE_SECONDS, clock: Callable[[], float] = time.perf_counter) -> None:
+                 compile_seconds: float = COMPILE_SECONDS, clock: Callable[[], float] = time.thread_time) -> None:
         """`vocabulary`: the tokenizer's (asked once, when the first constraint is compiled);
         `tokenize`: text to ids without special tokens; `end_tokens`: what ends a generation;
         `vocab_size`: the length of the logits rows; `compile_seconds`: the longest a constraint
-        may take to compile (timed on `clock`)."""
+        may take to compile, in CPU time of the thread compiling it (`clock`: llguidance compiles
+        on the calling thread, without the GIL; wall time would count what else a busy machine
+        runs, and a refusal is remembered)."""
         self._vocabulary, self._tokenize = vocabulary, tokenize
         self.end_tokens, self.vocab_size, self.capacity = tuple(end_tokens), vocab_size, capacity
         self.compile_seconds, self._clock = compile_seconds, clock

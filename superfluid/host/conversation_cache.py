@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
+from superfluid.host.errors import ChatError
 from superfluid.host.messages import ChatMessage
 from superfluid.host.tools import Tools
 
@@ -60,6 +61,18 @@ class ConversationCache:
         with self._lock:
             return self._tokens((namespace, tools), tuple(ChatMessage.of(m) for m in messages))
 
+    def _render(self, messages: list[dict], shared: int, text: str, tools: Tools | None,
+                one_by_one: bool) -> tuple[list[list[int]], str]:
+        """(the tokens of each of `messages` after the first `shared`, rendered after `text`, which
+        renders those; the rendering of them all): one by one, or all at once (the earlier ones
+        then get no tokens of their own)."""
+        added = []
+        for n in range(shared + 1, len(messages) + 1) if one_by_one else [len(messages)]:
+            addition, text = self.template.extend(text, messages[:n], tools)
+            added += [[]] * (n - shared - len(added) - 1)  # messages rendered with the next one: no tokens of their own
+            added.append(self.tokenize(addition))
+        return added, text
+
     def _tokens(self, space: tuple[str, Tools | None], history: tuple[Message, ...]) -> tuple[list[int], ...]:
         # the longest kept history of the namespace (and tools) this one continues (comparing
         # with each kept one: trying every prefix of a long history would hash it again and again)
@@ -71,21 +84,22 @@ class ConversationCache:
             self._recent.move_to_end((*space, history[:shared]))
         tools = space[1]
         as_dicts = [message.as_dict() for message in history]
-        added = []
         # one by one where few are new; else all of them at once (their ends become the piece's)
-        ends = (range(shared + 1, len(history) + 1) if len(history) - shared <= SEPARATE_RENDERS
-                else [len(history)])
-        for n in ends:
-            try:
-                addition, text = self.template.extend(text, as_dicts[:n], tools)
-            except TemplateRewrites:
-                # a rendering kept here may be what no longer renders alike (a template that
-                # writes today's date): it goes, or every later request would fail on it again
-                self._recent.pop((*space, history[:shared]), None)
+        one_by_one = len(history) - shared <= SEPARATE_RENDERS
+        try:
+            added, text = self._render(as_dicts, shared, text, tools, one_by_one)
+        except TemplateRewrites:
+            # a rendering kept here may be what no longer renders alike (a template that writes
+            # today's date): it goes, or every later request would fail on it again
+            self._recent.pop((*space, history[:shared]), None)
+            raise
+        except ChatError:
+            if not one_by_one or shared == len(history) - 1:
                 raise
-            added += [[]] * (n - shared - len(added) - 1)  # messages rendered with the next one: no tokens of their own
-            added.append(self.tokenize(addition))
-        self.rendered += len(added)
+            # a template that cannot render the conversation cut short (Llama 3's, offered tools,
+            # refuses a system message without the user message that carries them): at once
+            added, text = self._render(as_dicts, shared, text, tools, False)
+        self.rendered += len(history) - shared
         pieces = (*pieces, *added)
         if history:
             self._recent[(*space, history)] = (text, pieces)

@@ -17,6 +17,7 @@ import msgspec
 
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
 from superfluid.host.conversation_cache import SEPARATE_RENDERS, ConversationCache
+from superfluid.host.errors import ChatError
 from superfluid.host.messages import ChatMessage
 from superfluid.host.request import Prompt
 from superfluid.host.tools import Tools
@@ -81,16 +82,24 @@ def appended_pieces(template: ChatTemplate, tokenize: Callable[[str], list[int]]
     """The tokens that messages `added` add after a conversation of `before`: one piece per
     message (each ends where its piece does), or past SEPARATE_RENDERS of them one piece for all
     (rendered once: one at a time costs the square of their number; each then ends where they all
-    end). TemplateRewrites where the template renders earlier turns otherwise once these follow.
+    end), or where the template cannot render them one at a time. TemplateRewrites where the template renders earlier turns otherwise once these follow.
     Pure: any thread may call it (on the caller's side for a session, Host.append_messages)."""
-    if len(added) > SEPARATE_RENDERS:
-        text, _ = template.extend(template.render(before, tools=tools) if before else "", [*before, *added], tools)
-        return [tokenize(text)]
-    pieces, messages = [], list(before)
-    for message in added:
-        pieces.append(tokenize(template.turn(messages, message, tools)))
-        messages.append(message)
-    return pieces
+    if len(added) <= SEPARATE_RENDERS:
+        pieces, messages = [], list(before)
+        try:
+            for message in added:
+                pieces.append(tokenize(template.turn(messages, message, tools)))
+                messages.append(message)
+            return pieces
+        except TemplateRewrites:
+            raise
+        except ChatError:
+            if len(messages) == len(before) + len(added) - 1:
+                raise  # the last message itself is refused
+            # a template that cannot render the conversation cut short (Llama 3's, offered tools,
+            # refuses a system message without the user message that carries them): at once
+    text, _ = template.extend(template.render(before, tools=tools) if before else "", [*before, *added], tools)
+    return [tokenize(text)]
 
 
 def chat_template(descriptor: Any, tokenizer: Any) -> ChatTemplate:

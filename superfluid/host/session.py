@@ -212,6 +212,8 @@ class Generation:
         where the conversation offers no tools or the tool choice is none."""
         if self.tools is None:
             return self.text, []
+        if self.finish_reason is None:  # (still running: what it wrote so far, read again next time)
+            return self.tools.parse(self.text, self.call_seed)
         if self._reply is None:
             self._reply = self.tools.parse(self.text, self.call_seed)
         return self._reply

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool import EntryNotFound, Pool
 from superfluid.host import log_records
 from superfluid.host.chat import ChatTemplate, TemplateRewrites
-from superfluid.host.errors import ContextFull, SessionNotFound, SuperfluidError
+from superfluid.host.errors import ChatError, ContextFull, SessionNotFound, SuperfluidError
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import SessionLog
 from superfluid.host.log_records import Deleted, Opened, Parked, Record, SessionState, Tokens, Trimmed, Turn
@@ -364,7 +364,15 @@ class Sessions:
             content, calls = use.parse(job.stream.text, job.generation.call_seed)  # (the ids its reader sees)
             if calls:
                 message = ChatMessage("assistant", content or "", tuple(calls)).as_dict()
-        self._close(live, live.state.tokens[job.first:], job.stream.text, message)
+        produced = live.state.tokens[job.first:]
+        try:
+            self._close(live, produced, job.stream.text, message)
+        except ChatError:
+            if message is None:
+                raise
+            # the template refuses the calls as they were made (an id it does not take, say):
+            # the turn is kept as the text the model wrote, which it rendered as it is
+            self._close(live, produced, job.stream.text)
 
     def _close(self, live: Live, produced: list[int], text: str, message: dict | None = None) -> None:
         """Close the assistant's turn whose tokens since its opening are `produced` and whose reply

@@ -10,18 +10,22 @@ assistant message that made one (and, for most, tells the model in the tools' de
     mistral       [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]            Mistral Nemo
     mistral_args  [TOOL_CALLS]f[ARGS]{...}, repeated                              Mistral Small 3.2
 
-`format_of` reads which one from the template's source. A template that takes no tools (its
-source never reads `tools`: ChatML, the one used where a model ships none, as the Gemma 3 GGUF
-here; SmolLM2's) gets them described in a system message
+`format_shown` reads which one from how the template renders a call. A template that takes no
+tools (its source never reads `tools`: ChatML, the one used where a model ships none, as the
+Gemma 3 GGUF here; SmolLM2's), or renders calls in none of these formats, gets them described
+in a system message
 that asks for the hermes format, and sees earlier calls and their results written in it
 (`as_plain_messages`).
 
 With `tool_choice` "required" or a named function, the output is constrained (`grammar`) to
 calls in the model's format of the offered tools, each call's arguments valid under its
 `parameters` schema and its JSON laid out as the templates render it (`", "` and `": "`), so the
-session keeps the very tokens a re-rendering gives. With "auto" the model writes what it will
-and its calls are read back (`parse`, or `CallStream` while streaming); text that does not make
-a well-formed call of an offered tool stays text, never lost.
+session mostly keeps the very tokens a re-rendering gives (where a template renders what the
+model did not write, Mistral's call ids where it wrote none, the turn is rendered again). With
+"auto" the model writes what it will and its calls are read back (`parse`, or `CallStream` while
+streaming); text that does not make a well-formed call of an offered tool stays text. Where one
+call is asked for (`parallel_tool_calls` false, the default; Llama 3's templates always), the
+reply is its first call: later ones are dropped, as a constrained reply would have ended there.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ LLAMA_PYTHON_TAG = "<|python_tag|>"
 # begin with, as the template renders it)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
+MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")  # what Mistral's templates take as a call's id
 
 
 class ToolError(SuperfluidError, ValueError):
@@ -67,10 +72,9 @@ class Tool(msgspec.Struct, frozen=True):
 
     def as_dict(self) -> dict:
         """OpenAI's shape, as templates read it and sessions keep it."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description:
-            function["description"] = self.description
-        function["parameters"] = json.loads(self.parameters)
+        # (a description always: Hermes' templates read it, and fail on a tool without one)
+        function: dict[str, Any] = {"name": self.name, "description": self.description,
+                                    "parameters": json.loads(self.parameters)}
         return {"type": "function", "function": function}
 
 
@@ -103,6 +107,10 @@ class Tools(msgspec.Struct, frozen=True):
             description = function.get("description") or ""
             if not isinstance(description, str):
                 raise ToolError(f"the description of {name!r} must be text")
+            try:  # (the session log keeps them as msgpack, whose integers end at 64 bits)
+                msgspec.msgpack.encode(parameters)
+            except (OverflowError, TypeError) as exc:
+                raise ToolError(f"the parameters of {name!r} cannot be kept: {exc}") from None
             tools.append(Tool(name, description, json.dumps(parameters, ensure_ascii=False)))
         names = [t.name for t in tools]
         repeated = sorted({n for n in names if names.count(n) > 1})
@@ -190,8 +198,7 @@ class ToolUse(msgspec.Struct, frozen=True):
     def grammar(self) -> str:
         """A Lark grammar (llguidance's dialect) of replies that are only calls, in the format."""
         offered = [self.tools.named(self.function)] if self.function else list(self.tools.tools)
-        rules = [f"f{i}: %json {json.dumps(self._call_schema(tool), ensure_ascii=False)}"
-                 for i, tool in enumerate(offered)]
+        rules = [f"f{i}: {self._call_rule(tool)}" for i, tool in enumerate(offered)]
         calls = " | ".join(f"f{i}" for i in range(len(offered)))
         if self.format == "hermes":
             top = [f'call: "{HERMES_OPEN}\\n" ({calls}) "\\n{HERMES_CLOSE}"']
@@ -218,16 +225,18 @@ class ToolUse(msgspec.Struct, frozen=True):
         return f"<[{token}]>" if token is not None else json.dumps(mark)
 
     def _arguments_schema(self, tool: Tool) -> dict:
-        # closed as constraints close objects (a small model otherwise adds keys until max_tokens)
+        # closed as constraints close objects (a small model otherwise adds keys until max_tokens);
+        # the parameters are the schema's root, so their own `$ref`s (into `$defs`) resolve
         return {"x-guidance": CALL_JSON, **closed(json.loads(tool.parameters))}
 
-    def _call_schema(self, tool: Tool) -> dict:
+    def _call_rule(self, tool: Tool) -> str:
+        """A call of `tool` as a JSON object, written as the templates render one: its name, then
+        its arguments (the parameters' own schema), then (Mistral Nemo) an optional id."""
         key = "parameters" if self.format == "llama3" else "arguments"
-        properties = {"name": {"const": tool.name}, key: closed(json.loads(tool.parameters))}
-        if self.format == "mistral":  # Mistral Nemo writes each call's id after it (9 letters and digits)
-            properties["id"] = {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}
-        return {"x-guidance": CALL_JSON, "type": "object", "properties": properties, "required": ["name", key],
-                "additionalProperties": False}
+        head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
+        arguments = f"%json {json.dumps(self._arguments_schema(tool), ensure_ascii=False)}"
+        call_id = ' (", \\"id\\": \\"" /[A-Za-z0-9]{9}/ "\\"")?' if self.format == "mistral" else ""
+        return f'{head} {arguments}{call_id} "}}"'
 
     # ------------------------------------------------------------------------- reading calls
 
@@ -237,13 +246,27 @@ class ToolUse(msgspec.Struct, frozen=True):
         malformed or names a function not offered is left in the text."""
         if not self.reads_calls:
             return (text or None), []
+        content, calls = self._read(text)
+        return content, self._numbered(calls, seed, first)
+
+    def _read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside calls, None if none; every call `text` makes, ids only where the
+        model wrote them)."""
         content, calls, before = _PARSERS[self.format](text, self)
         if calls and EMPTY_THINKING.fullmatch(before):
             # the empty reasoning block a thinking template puts right before calls says nothing
             content = content[len(before):]
-        content = content.strip()
-        calls = [msgspec.structs.replace(call, id=self.call_id(seed, first + i)) for i, call in enumerate(calls)]
-        return (content or None), calls
+        return (content.strip() or None), calls
+
+    def _numbered(self, calls: list[ToolCall], seed: str, first: int) -> list[ToolCall]:
+        """`calls`, the `first`th of the reply on: only the reply's first call where one is asked
+        for (parallel_tool_calls false: what a constrained reply would have ended with; the
+        others are dropped, as Llama 3's templates take one call a turn), each with its id (one
+        the model wrote where the format has them, Mistral's; else one made from `seed`)."""
+        if not self.several:
+            calls = calls[:max(0, 1 - first)]
+        return [call if call.id else msgspec.structs.replace(call, id=self.call_id(seed, first + i))
+                for i, call in enumerate(calls)]
 
     def stream(self, seed: str) -> CallStream:
         """A reader of the reply (whose calls' ids come from `seed`) as it streams, telling text
@@ -255,11 +278,12 @@ class ToolUse(msgspec.Struct, frozen=True):
         reply is read: its stream, its whole text, the session's log). Mistral's templates take
         9 letters and digits."""
         if self.format.startswith("mistral"):
-            return f"{seed[:7]}{index % 100:02d}"
+            return f"{seed[:7]:0<7}{index % 100:02d}"
         return f"call_{seed}{index}"
 
-    def _call(self, name: Any, arguments: Any) -> ToolCall | None:
-        """A call of an offered tool, its arguments an object (given as one, or as its JSON text)."""
+    def _call(self, name: Any, arguments: Any, call_id: Any = None) -> ToolCall | None:
+        """A call of an offered tool, its arguments an object (given as one, or as its JSON text);
+        `call_id`: the id the model wrote for it, kept where it is one a template takes."""
         if not isinstance(name, str) or self.tools.named(name) is None:
             return None
         if self.function is not None and name != self.function:
@@ -273,7 +297,8 @@ class ToolUse(msgspec.Struct, frozen=True):
             arguments = {}
         if not isinstance(arguments, dict):
             return None
-        return ToolCall("", name, json.dumps(arguments, ensure_ascii=False))  # (its id: parse gives it)
+        kept_id = call_id if isinstance(call_id, str) and MISTRAL_CALL_ID.fullmatch(call_id) else ""
+        return ToolCall(kept_id, name, json.dumps(arguments, ensure_ascii=False))  # (else its id: parse gives it)
 
     # (the openers a streamed reply is watched for: text before one is the reply's text)
     def openers(self) -> tuple[str, ...]:
@@ -297,23 +322,32 @@ def _json_prefix(text: str) -> tuple[Any, int] | None:
 # Each reads (the text outside calls, the calls, the text before the first call) out of a reply.
 
 def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
-    kept, calls, at, before = [], [], 0, ""
+    kept, calls, at, before, after_call = [], [], 0, "", False
     while (opened := text.find(HERMES_OPEN, at)) >= 0:
         body_start = opened + len(HERMES_OPEN)
         closing = text.find(HERMES_CLOSE, body_start)
-        end = len(text) if closing < 0 else closing + len(HERMES_CLOSE)  # an unclosed last call: to the end
-        found = _json_prefix(text[body_start:closing if closing >= 0 else len(text)])
+        body = text[body_start:closing if closing >= 0 else len(text)]
+        found = _json_prefix(body)
         call = None
+        if closing >= 0:
+            end = closing + len(HERMES_CLOSE)
+            if found is not None and body[found[1]:].strip():
+                found = None  # more than a call inside the tags: text
+        else:  # an unclosed last call ends with its JSON; what follows it is text
+            end = body_start + found[1] if found is not None else len(text)
         if found is not None and isinstance(found[0], dict):
             call = use._call(found[0].get("name"), found[0].get("arguments", found[0].get("parameters")))
         if call is None:  # not a call: stays text
+            end = len(text) if closing < 0 else end
             kept.append(text[at:end])
+            after_call = False
         else:
-            if not calls or text[at:opened].strip():  # (whitespace between two calls says nothing)
+            if not after_call or text[at:opened].strip():  # (whitespace right after a call says nothing)
                 kept.append(text[at:opened])
             if not calls:
                 before = "".join(kept)
             calls.append(call)
+            after_call = True
         at = end
     kept.append(text[at:])
     return "".join(kept), calls, before
@@ -322,6 +356,8 @@ def _parse_hermes(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
 def _parse_llama3(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
     body = text.strip()
     body = body[len(LLAMA_PYTHON_TAG):] if body.startswith(LLAMA_PYTHON_TAG) else body
+    if not body.strip():
+        return text, [], ""
     calls = []
     for part in _split_top_level(body, ";"):  # a few fine-tunes write several, ";" between them
         found = _json_prefix(part)
@@ -362,7 +398,8 @@ def _parse_mistral(text: str, use: ToolUse) -> tuple[str, list[ToolCall], str]:
         return text, [], ""
     calls = []
     for entry in found[0]:
-        call = use._call(entry.get("name"), entry.get("arguments")) if isinstance(entry, dict) else None
+        call = use._call(entry.get("name"), entry.get("arguments"), entry.get("id")) if isinstance(entry, dict) \
+            else None
         if call is None:
             return text, [], ""
         calls.append(call)
@@ -379,9 +416,10 @@ def _parse_mistral_args(text: str, use: ToolUse) -> tuple[str, list[ToolCall], s
         head_end = text.find(MISTRAL_ARGS, at)
         if head_end < 0:
             return text, [], ""
-        name = text[at + len(MISTRAL_CALLS):head_end].split(MISTRAL_ID)[0].strip()
+        head = text[at + len(MISTRAL_CALLS):head_end].split(MISTRAL_ID)
+        name, call_id = head[0].strip(), (head[1].strip() if len(head) > 1 else None)
         found = _json_prefix(text[head_end + len(MISTRAL_ARGS):])
-        call = None if found is None else use._call(name, found[0])
+        call = None if found is None else use._call(name, found[0], call_id)
         if call is None:
             return text, [], ""
         calls.append(call)
@@ -400,7 +438,8 @@ class CallStream:
     is whole (hermes: at its closing tag; the others: at the end of the reply). What says nothing
     beside a call (whitespace around calls; an empty reasoning block before the first) is held,
     dropped if a call follows it and sent if text does, as `parse` reads the whole. At the end,
-    what was held and made no call goes out as text: nothing the model wrote is lost."""
+    what was held and made no call goes out as text: nothing the model wrote is lost but the
+    calls past the first where one is asked for, which `parse` drops too."""
 
     def __init__(self, use: ToolUse, seed: str) -> None:
         self.use, self.seed = use, seed
@@ -412,15 +451,15 @@ class CallStream:
         self._quiet = ""  # read, but sent only if text follows it (dropped if a call does)
         self._hush = False  # whitespace is held in `_quiet` (right after a call or an empty reasoning block)
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(text to send now, calls to send now) after the reply's next piece `text`."""
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """What to send now after the reply's next piece `text`: text and calls, in the order the
+        model wrote them."""
         if not self.use.reads_calls:
-            return text, []
+            return [text] if text else []
         self._held += text
         if not self._begun and not self._lead():
-            return "", []
-        out: list[str] = []
-        calls: list[ToolCall] = []
+            return []
+        out: list[str | ToolCall] = []
         while self._held:
             if self._in_call:
                 if self.use.format != "hermes":
@@ -430,10 +469,9 @@ class CallStream:
                     break
                 body, self._held = self._held[:closing + len(HERMES_CLOSE)], self._held[closing + len(HERMES_CLOSE):]
                 self._in_call = False
-                found = self.use.parse(body, self.seed, len(self.calls) + len(calls))[1]
+                found = self.use._read(body)[1]
                 if found:
-                    calls += found
-                    self._quiet, self._hush = "", True  # what came just before it said nothing
+                    self._call(found, out)
                 else:
                     self._say(body, out)  # not a call: text, as written
                 continue
@@ -448,10 +486,17 @@ class CallStream:
             if not complete:  # the end may begin an opener: hold it
                 break
             self._in_call = True
-        self.calls += calls
-        return "".join(out), calls
+        return out
 
-    def _say(self, text: str, out: list[str]) -> None:
+    def _call(self, found: list[ToolCall], out: list[str | ToolCall]) -> None:
+        """Send the calls `found` (those a single-call reply still takes), dropping what came just
+        before them and said nothing."""
+        numbered = self.use._numbered(found, self.seed, len(self.calls))
+        self.calls += numbered
+        out += numbered
+        self._quiet, self._hush = "", True
+
+    def _say(self, text: str, out: list[str | ToolCall]) -> None:
         """Send `text`, unless it is whitespace right after a call (or an empty reasoning block):
         that is held until text follows it."""
         if not text:
@@ -475,17 +520,19 @@ class CallStream:
         self._begun = True
         return True
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(text, calls) the end of the reply releases."""
+    def finish(self) -> list[str | ToolCall]:
+        """What the end of the reply releases, in order."""
         held, self._held = self._held, ""
         if self._in_call:
-            content, calls = self.use.parse(held, self.seed, len(self.calls))
-            if calls:
-                self.calls += calls
-                return content or "", calls
+            content, found = self.use._read(held)
+            if found:
+                out: list[str | ToolCall] = []
+                self._call(found, out)
+                return out + ([content] if content else [])
         if self.calls and not held.strip():
-            return "", []
-        return self._quiet + held, []  # no call after all: as written
+            return []
+        text = self._quiet + held if (held or not self.calls) else ""
+        return [text] if text else []  # no call after all: as written
 
     def _opening(self) -> tuple[int, bool] | None:
         """Where in the held text a call opens (and whether the opener is whole), or None."""
@@ -534,21 +581,27 @@ def special_marks(tokenize: Callable[[str], list[int]]) -> dict[str, int]:
     return marks
 
 
-def format_of(template_source: str | None, takes_tools: bool) -> str:
-    """The tool call format of a chat template (FORMATS): its own where its source shows it, the
-    hermes format where it takes no tools (they are described to the model in that format)."""
-    source = template_source or ""
-    if not takes_tools:
-        return "hermes"
-    if MISTRAL_ARGS in source and MISTRAL_CALLS in source:
-        return "mistral_args"
-    if MISTRAL_CALLS in source:
-        return "mistral"
-    if HERMES_OPEN in source:
-        return "hermes"
-    if '"parameters"' in source or LLAMA_PYTHON_TAG in source:
-        return "llama3"
-    return "hermes"
+# A call a template is shown making, to see which format it writes calls in (format_shown)
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_function", "description": "",
+                                                   "parameters": {"type": "object", "properties": {"x": {}}}}}]
+PROBE_CALL = {"id": "Probe1234", "type": "function", "function": {"name": "probe_function", "arguments": '{"x": 1}'}}
+PROBE_CONVERSATION = [{"role": "user", "content": "Probe"},
+                      {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
+                      {"role": "tool", "content": "1", "tool_call_id": "Probe1234", "name": "probe_function"}]
+_SHOWN = (  # (format, how its call of the probe reads), checked in order
+    ("hermes", '<tool_call>\n{"name": "probe_function", "arguments": {"x": 1}}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "probe_function", "arguments": {"x": 1}'),
+    ("mistral_args", '[TOOL_CALLS]probe_function[ARGS]{"x": 1}'),
+    ("mistral_args", '[TOOL_CALLS]probe_function[CALL_ID]Probe1234[ARGS]{"x": 1}'),
+    ("llama3", '{"name": "probe_function", "parameters": {"x": 1}}'),
+)
+
+
+def format_shown(rendered: str) -> str | None:
+    """The format (FORMATS) in which a template rendered PROBE_CONVERSATION's call, as the text
+    `rendered`; None where it is none of them (Qwen3-Coder's and GLM's XML inside <tool_call>,
+    Command-R's, DeepSeek's, gpt-oss's, ...: their models are described the tools instead)."""
+    return next((name for name, written in _SHOWN if written in rendered), None)
 
 
 # ----------------------------------------------------------------------------- templates without tools

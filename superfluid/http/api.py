@@ -33,8 +33,11 @@ from superfluid.host.tenants import MAX_SALT
 from superfluid.host.tools import ToolError, Tools, ToolUse
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "cache_prompt", "prompt_cache_key",
-                     "safety_identifier"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
+                     "prompt_cache_key", "safety_identifier"})
+# Taken where a conversation may call tools (chat completions, a session's turn); elsewhere
+# dropped when null (as clients send them) and refused naming the routes that take them.
+TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 
 # SGLang's own request options. sglang-router (and vllm-router, its fork) re-encodes every chat
 # and completion request it forwards with these set to their defaults, so a worker behind it must
@@ -190,9 +193,13 @@ def decode(body: bytes, kind: type) -> Any:
         if name in REFUSED and value is not None:
             raise ApiError(400, f"`{name}` ({REFUSED[name]}) is not supported by this server; remove it",
                            param=name, code="unsupported_parameter")
+    for name in TOOL_FIELDS & fields.keys() - set(kind.__struct_fields__):
+        if fields[name] is not None:
+            raise ApiError(400, f"`{name}` is taken by chat completions and a session's turns, not here; remove it",
+                           param=name, code="unsupported_parameter")
     kept = {name: value for name, value in fields.items()
             if not (name in IGNORED and name not in kind.__struct_fields__) and not (name in REFUSED and value is None)
-            and name not in ROUTER_FILLED}
+            and name not in ROUTER_FILLED and not (name in TOOL_FIELDS and name not in kind.__struct_fields__)}
     try:
         return msgspec.convert(kept, kind)
     except msgspec.ValidationError as exc:

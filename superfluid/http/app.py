@@ -382,10 +382,13 @@ class App:
         request = await self._decoded(exchange, api.SessionCreate)
         self._check_priority(request.priority)
         settings = sampler.Sampling(**api.sampling_of(request))
-        messages = [api.message_of(m) for m in request.messages]
+        # the system message appended with the others, rendered together where the template
+        # cannot render it alone (Llama 3's, offered tools, wants the user message too)
+        messages = ([ChatMessage("system", request.system)] if request.system is not None else []) + \
+            [api.message_of(m) for m in request.messages]
         tenant = exchange.tenant
         session_id = await self.call(self.host.commands.create, worker.new_session_id(self.worker_name),
-                                     request.system, settings, request.priority, tenant=tenant,
+                                     None, settings, request.priority, tenant=tenant,
                                      cache_salt=request.cache_salt, tools=api.tools_of(request.tools))
         try:
             await self._append(session_id, messages, tenant)
@@ -426,7 +429,7 @@ class App:
         tools = None
         if request.tool_choice is not None or request.parallel_tool_calls is not None:
             offered = await self.call(self.host.commands.tools, session_id, tenant=exchange.tenant)
-            if offered is None:
+            if offered is None and request.tool_choice not in (None, "none", "auto"):
                 raise api.ApiError(400, f"session {session_id!r} offers no tools; give `tools` when making it",
                                    param="tool_choice")
             tools = api.tool_use_of(request, offered, self.host.tool_use)

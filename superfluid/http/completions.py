@@ -152,17 +152,14 @@ async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIter
     calls = generation.tools.stream(generation.call_seed) if chat and generation.tools is not None else None
     made = 0  # calls streamed so far
 
-    def call_events(found: list) -> list[bytes]:
-        # each call as OpenAI streams one: its index, id, type and name, then its arguments
+    def call_events(call) -> list[bytes]:
+        # a call as OpenAI streams one: its index, id, type and name, then its arguments
         nonlocal made
-        events = []
-        for call in found:
-            head = {"index": made, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            for delta in (head, {"index": made, "function": {"arguments": call.arguments}}):
-                events.append(_event({**base, "object": kind, "choices": [{"index": 0, "delta": {"tool_calls": [delta]},
-                                                                            "finish_reason": None}]}))
-            made += 1
-        return events
+        head = {"index": made, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        made += 1
+        return [_event({**base, "object": kind, "choices": [{"index": 0, "delta": {"tool_calls": [delta]},
+                                                              "finish_reason": None}]})
+                for delta in (head, {"index": made - 1, "function": {"arguments": call.arguments}})]
 
     def shown(scored: list) -> dict:
         # a token's logprobs go out with the first chunk that carries its text (or the last)
@@ -177,25 +174,24 @@ async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIter
         for piece in batch:
             if wanted and piece.logprobs is not None:
                 pending.append(piece.logprobs)
-            text = piece.text
-            if calls is not None and text:
-                text, found = calls.feed(text)
-                events += call_events(found)
-            if not text:
-                continue
-            if wanted:
-                delta = {"delta": {"content": text}} if chat else {"text": text}
-                events.append(_event({**base, "object": kind,
-                                      "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}))
-            else:
-                events.append(text_events.of(text))
-            sent, pending = sent + len(text), []
+            # (a reply that may call tools: its text and its calls in the order written)
+            for item in (calls.feed(piece.text) if calls is not None else [piece.text]):
+                if not isinstance(item, str):
+                    events += call_events(item)
+                elif item and wanted:
+                    delta = {"delta": {"content": item}} if chat else {"text": item}
+                    events.append(_event({**base, "object": kind,
+                                          "choices": [{"index": 0, **delta, **shown(pending), "finish_reason": None}]}))
+                    sent, pending = sent + len(item), []
+                elif item:
+                    events.append(text_events.of(item))
+                    sent += len(item)
         if events:
             yield b"".join(events)
     reason = FINISH.get(generation.finish_reason or "stop", "stop")
     if calls is not None:
-        text, found = calls.finish()
-        events = ([text_events.of(text)] if text else []) + call_events(found)
+        events = [event for item in calls.finish()
+                  for event in (call_events(item) if not isinstance(item, str) else [text_events.of(item)])]
         if events:
             yield b"".join(events)
         if made and reason == "stop":

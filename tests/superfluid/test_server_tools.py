@@ -109,9 +109,9 @@ def test_auto_reads_a_call_the_model_wrote_and_leaves_text_as_text(served):
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"zone": "UTC"}
     # two calls, streamed: text first, then each call at its index, the ids those of the whole reply's kind
     second = call.replace("UTC", "CET")
+    two = {"guided_regex": "Checking\\. " + _escaped(f"{call}\n{second}")}
     stream = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
-                                            stream=True,
-                                            extra_body={"guided_regex": "Checking\\. " + _escaped(f"{call}\n{second}")})
+                                            stream=True, parallel_tool_calls=True, extra_body=two)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Checking."
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
@@ -120,6 +120,13 @@ def test_auto_reads_a_call_the_model_wrote_and_leaves_text_as_text(served):
     assert [json.loads(part.function.arguments) for part in parts if part.function.arguments] == \
         [{"zone": "UTC"}, {"zone": "CET"}]
     assert parts[0].id != parts[2].id and parts[0].id.startswith("call_")
+    # one call asked for (parallel_tool_calls unset): the first, whole and streamed
+    reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                           extra_body=two)
+    assert [json.loads(c.function.arguments) for c in reply.choices[0].message.tool_calls] == [{"zone": "UTC"}]
+    chunks = list(client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                                 stream=True, extra_body=two))
+    assert [part.index for c in chunks for part in c.choices[0].delta.tool_calls or ()] == [0, 0]
     # a call of a function not offered is text
     unknown = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
     reply = client.chat.completions.create(model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
@@ -232,3 +239,29 @@ def test_a_required_call_streamed_over_http_and_preempted_goes_on_exactly(open_h
         server.stop()
         thread.join(WAIT_SECONDS)
         assert not thread.is_alive()
+
+
+def test_tool_fields_on_routes_without_tools(served):
+    client = served.client()
+    # a session without tools: auto, none and parallel_tool_calls ask nothing of it
+    status, made = served.raw("POST", "/v1/sessions", json.dumps({"messages": MESSAGES}).encode())
+    session = json.loads(made)["id"]
+    for fields in ({"tool_choice": "auto"}, {"tool_choice": "none"}, {"parallel_tool_calls": True}):
+        status, data = served.raw("POST", f"/v1/sessions/{session}/generate",
+                                  json.dumps({"max_tokens": 2, **fields}).encode())
+        assert status == 200, data
+    status, data = served.raw("POST", f"/v1/sessions/{session}/generate",
+                              json.dumps({"max_tokens": 2, "tool_choice": "required"}).encode())
+    assert status == 400 and b"offers no tools" in data
+    # text completions: null tool fields and parallel_tool_calls change nothing; tools are refused by name
+    reply = client.completions.create(model=served.model, prompt="Hi", max_tokens=2,
+                                      extra_body={"tools": None, "tool_choice": None, "parallel_tool_calls": False})
+    assert reply.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError, match="taken by chat completions"):
+        client.completions.create(model=served.model, prompt="Hi", max_tokens=2, extra_body={"tools": TOOLS})
+
+
+def test_a_session_made_with_a_system_message_and_tools(served):
+    status, made = served.raw("POST", "/v1/sessions", json.dumps(
+        {"system": "Be brief.", "messages": MESSAGES, "tools": TOOLS}).encode())
+    assert status == 201 and json.loads(made)["messages"] == 2

@@ -16,7 +16,7 @@ from superfluid.host.chat import ChatTemplate
 from superfluid.host.constraints import Grammars
 from superfluid.host.errors import ChatError
 from superfluid.host.messages import for_template
-from superfluid.host.tools import Tools, ToolUse, format_of
+from superfluid.host.tools import ToolError, Tools, ToolUse
 from tests import realtemplates
 from tests.superfluid.test_tools import TOOLS
 
@@ -71,7 +71,17 @@ def test_tools_and_calls_render_as_transformers_renders_them(model):
 @pytest.mark.parametrize("model, kind", sorted(FORMATS.items()))
 def test_each_templates_call_format_is_recognised(model, kind):
     template = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS)
-    assert template.tool_format == kind == format_of(realtemplates.from_llama_cpp()[model], True)
+    assert template.takes_tools and template.tool_format == kind
+
+
+@pytest.mark.parametrize("model", ["Qwen3 Coder", "GLM 4.6", "Command R7B", "Functionary 3.1"])
+def test_a_template_writing_calls_in_a_format_not_read_here_gets_the_tools_described(model):
+    # (Qwen3-Coder's and GLM's XML inside <tool_call>, Command-R's action list, Functionary's
+    # <function=...>): the model is told the hermes format in a system message instead
+    template = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS)
+    assert not template.takes_tools and template.tool_format == "hermes"
+    text = template.render([{"role": "user", "content": "Weather?"}], True, Tools.of(TOOLS))
+    assert "You may call the functions below" in text and "<tool_call>" in text
 
 
 def rendered_calls(model: str, calls: list) -> str:
@@ -97,7 +107,7 @@ def calls_of(model: str) -> list:
 @pytest.mark.parametrize("model", sorted(FORMATS))
 def test_what_a_template_renders_for_calls_is_read_back_as_those_calls(model):
     written = rendered_calls(model, calls_of(model))
-    use = ToolUse.of(TOOLS, "auto", format=FORMATS[model])
+    use = ToolUse.of(TOOLS, "auto", True, format=FORMATS[model])
     content, calls = use.parse(written, "seed")
     assert content is None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == \
@@ -105,13 +115,8 @@ def test_what_a_template_renders_for_calls_is_read_back_as_those_calls(model):
     # streamed in pieces of any size: the same calls, the same ids, and no text
     for size in (1, 2, 3, 7, 1000):
         stream = use.stream("seed")
-        text, streamed = "", []
-        for start in range(0, len(written), size):
-            piece_text, found = stream.feed(written[start:start + size])
-            text += piece_text
-            streamed += found
-        piece_text, found = stream.finish()
-        assert (text + piece_text, streamed + found) == ("", calls), (model, size)
+        items = [item for start in range(0, len(written), size) for item in stream.feed(written[start:start + size])]
+        assert items + stream.finish() == calls, (model, size)
 
 
 @pytest.mark.parametrize("text", [
@@ -123,9 +128,9 @@ def test_text_that_makes_no_call_streams_as_it_was_written(kind, text):
     use = ToolUse.of(TOOLS, "auto", format=kind)
     for size in (1, 4, 100):
         stream = use.stream("s")
-        out = "".join(stream.feed(text[i:i + size])[0] for i in range(0, len(text), size))
-        rest, calls = stream.finish()
-        assert out + rest == text and calls == []
+        items = [item for i in range(0, len(text), size) for item in stream.feed(text[i:i + size])]
+        items += stream.finish()
+        assert all(isinstance(item, str) for item in items) and "".join(items) == text
     assert use.parse(text, "s") == (text.strip() or None, [])
 
 
@@ -135,9 +140,12 @@ def test_text_around_a_call_is_the_content_and_a_call_in_the_middle_is_read():
     content, calls = use.parse(text, "s")
     assert content == "Let me check.\n\nDone." and [c.name for c in calls] == ["get_time"]
     stream = use.stream("s")
-    pieces = [stream.feed(text[i:i + 5]) for i in range(0, len(text), 5)] + [stream.finish()]
-    assert "".join(p[0] for p in pieces) == "Let me check.\n\nDone."
-    assert [c for p in pieces for c in p[1]] == calls
+    items = [item for i in range(0, len(text), 5) for item in stream.feed(text[i:i + 5])] + stream.finish()
+    assert "".join(item for item in items if isinstance(item, str)) == "Let me check.\n\nDone."
+    assert [item for item in items if not isinstance(item, str)] == calls
+    # in the order written: the text before the call, the call, the text after it
+    kinds = [isinstance(item, str) for item in items]
+    assert kinds.index(False) > 0 and all(kinds[kinds.index(False) + 1:])
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +164,7 @@ def grammars(tiny_models):
 def test_a_required_calls_grammar_accepts_what_the_template_renders_for_the_call(grammars, model):
     compiler, tokenizer = grammars
     written = rendered_calls(model, calls_of(model))
-    use = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS).tool_use(TOOLS, "required", None, {})
+    use = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS).tool_use(TOOLS, "required", True, {})
     matching = compiler.compile(use.constraint()).start()
     for token in tokenizer.tokenize(written, special=False):  # (the tiny vocabulary has no [TOOL_CALLS]: text)
         assert matching.allowed()[token], (model, written)
@@ -196,19 +204,92 @@ FRAGMENTS = ["Hello", " ", "\n", "<think>\n\n</think>\n\n", "<tool", "_call>", "
              '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "<", "tool_call", "x"]
 
 
-@given(st.lists(st.sampled_from(FRAGMENTS), max_size=8), st.lists(st.integers(1, 30), min_size=1, max_size=40))
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=8), st.lists(st.integers(1, 30), min_size=1, max_size=40),
+       st.booleans())
 @settings(max_examples=300, deadline=None)
-def test_a_stream_cut_anywhere_reads_as_the_whole_reply_does(fragments, cuts):
+def test_a_stream_cut_anywhere_reads_as_the_whole_reply_does(fragments, cuts, parallel):
     text = "".join(fragments)
-    use = ToolUse.of(TOOLS, "auto", format="hermes")
+    use = ToolUse.of(TOOLS, "auto", parallel, format="hermes")
     content, calls = use.parse(text, "s")
-    stream, sent, streamed, at = use.stream("s"), "", [], 0
+    stream, items, at = use.stream("s"), [], 0
     for size in cuts * (len(text) // len(cuts) + 1):
         if at >= len(text):
             break
-        piece, found = stream.feed(text[at:at + size])
-        sent, streamed, at = sent + piece, streamed + found, at + size
-    piece, found = stream.finish()
-    sent, streamed = sent + piece, streamed + found
-    assert streamed == calls
+        items += stream.feed(text[at:at + size])
+        at += size
+    items += stream.finish()
+    sent = "".join(item for item in items if isinstance(item, str))
+    assert [item for item in items if not isinstance(item, str)] == calls
     assert sent.strip() == (content or "") if calls else sent == text
+
+
+REFERRING = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                        "required": ["city"]}}}}}  # as Pydantic writes a model's schema
+
+
+@pytest.mark.parametrize("model", sorted(FORMATS))
+def test_a_tool_whose_parameters_refer_to_their_own_definitions_can_be_required(grammars, model):
+    compiler, tokenizer = grammars
+    template = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS)
+    use = template.tool_use([REFERRING], "required", None, {})
+    matching = compiler.compile(use.constraint()).start()  # the $ref resolves: it compiles
+    call = {"id": "abcdefghi", "type": "function", "function": {"name": "book", "arguments": '{"where": {"city": "Oslo"}}'}}
+    before = [{"role": "user", "content": "Book Oslo"}]
+    opened = template.render(before, True, Tools.of([REFERRING]))
+    written = template.render([*before, {"role": "assistant", "content": "", "tool_calls": [call]}], False,
+                              Tools.of([REFERRING]))[len(opened):].rstrip()
+    for end in END_MARKS:
+        written = written.removesuffix(end)
+    for token in tokenizer.tokenize(written, special=False):
+        assert matching.allowed()[token], (model, written)
+        matching.advance(token)
+
+
+def test_a_tool_without_a_description_renders_on_templates_that_read_one():
+    bare = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    for model in ("Hermes 2 Pro", "Hermes 3"):
+        text = ChatTemplate(realtemplates.from_llama_cpp()[model], **TOKENS).render(
+            [{"role": "user", "content": "Hi"}], True, Tools.of([bare]))
+        assert '"ping"' in text
+
+
+def test_with_one_call_asked_for_a_reply_of_two_gives_the_first_whole_and_streamed():
+    use = ToolUse.of(TOOLS, "auto", False, format="hermes")
+    first = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    text = f'{first}\n{first.replace("UTC", "CET")}'
+    content, calls = use.parse(text, "s")
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"zone": "UTC"}]
+    stream = use.stream("s")
+    items = [item for i in range(0, len(text), 7) for item in stream.feed(text[i:i + 7])] + stream.finish()
+    assert items == calls
+    llama = ToolUse.of(TOOLS, "auto", True, format="llama3")  # one call a turn, whatever is asked
+    two = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'
+    assert len(llama.parse(two, "s")[1]) == 1
+
+
+def test_text_after_an_unclosed_call_and_a_lone_python_tag_stay_text():
+    use = ToolUse.of(TOOLS, "auto", format="hermes")
+    content, calls = use.parse('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\nI will wait.', "s")
+    assert content == "I will wait." and [c.name for c in calls] == ["get_time"]
+    assert use.parse('<tool_call>\n{"name": "get_time", "arguments": {}} and more</tool_call>', "s")[1] == []
+    assert ToolUse.of(TOOLS, "auto", format="llama3").parse("<|python_tag|>", "s") == ("<|python_tag|>", [])
+
+
+def test_a_call_id_mistrals_model_wrote_is_kept():
+    nemo = ToolUse.of(TOOLS, "auto", format="mistral")
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}, "id": "Ab3dE6gH9"}]'
+    assert [c.id for c in nemo.parse(text, "seed")[1]] == ["Ab3dE6gH9"]
+    small = ToolUse.of(TOOLS, "auto", format="mistral_args")
+    assert [c.id for c in small.parse('[TOOL_CALLS]get_time[CALL_ID]Zz9Zz9Zz9[ARGS]{"zone": "UTC"}', "s")[1]] == \
+        ["Zz9Zz9Zz9"]
+    made = nemo.parse('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}, "id": "bad"}]', "seed")[1]
+    assert len(made[0].id) == 9 and made[0].id.isalnum()  # not one a template takes: one made
+
+
+def test_parameters_the_log_cannot_keep_are_refused_naming_them():
+    huge = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 10 ** 20}}}}}
+    with pytest.raises(ToolError, match="cannot be kept"):
+        Tools.of([huge])

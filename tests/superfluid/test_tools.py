@@ -10,8 +10,9 @@ import jsonschema
 import pytest
 
 from superfluid.host.errors import ChatError
-from superfluid.host.request import GenerateRequest
-from superfluid.host.tools import ToolError
+from superfluid.host.request import GenerateRequest, Prompt
+from superfluid.host.tools import ToolError, Tools
+from tests import realtemplates
 from tests.gate import Gate, decode_steps_of, start_together
 
 WEATHER = {"type": "function", "function": {
@@ -144,3 +145,38 @@ def test_a_required_call_swapped_out_and_back_goes_on_exactly(open_host, runtime
         alone.collect()
         assert content is None and calls and all(valid_call(call) is not None for call in calls)
         assert [(c.name, c.arguments) for c in alone.reply()[1]] == [(c.name, c.arguments) for c in calls]
+
+
+def test_llama3_with_tools_renders_a_system_message_with_the_user_message_that_carries_them(template_host):
+    # Llama 3's templates put the tools in the first user message and refuse a conversation of a
+    # system message alone while tools are offered: rendered with the message after it instead
+    host = template_host(realtemplates.from_llama_cpp()["Llama 3.1"])
+    opening = [("system", "Be brief."), ("user", "Weather in Oslo?")]
+    whole = host.prompts.tokenize(host.prompts.template.render(
+        [{"role": role, "content": text} for role, text in opening], tools=Tools.of(TOOLS)))
+    assert host.prepare(Prompt(tuple(opening), tools=Tools.of(TOOLS))).tokens == whole
+    with pytest.raises(ChatError, match="first user message"):
+        host.session(system="Be brief.", tools=TOOLS)
+    assert host.sessions() == []  # nothing left behind
+    session = host.session(tools=TOOLS)
+    session.append_messages(*opening)
+    assert session.tokens == whole
+
+
+def test_a_call_the_template_refuses_to_render_is_kept_as_the_text_the_model_wrote(open_host, monkeypatch):
+    host = open_host()
+    session = host.session(tools=TOOLS, temperature=1.0, seed=2)
+    session.append_user("Time?")
+    template = host.call(host.commands.sessions.template)
+    closing = template.closing
+
+    def refusing(messages, reply, tools=None, message=None):
+        if message is not None and message.get("tool_calls"):
+            raise ChatError("the chat template refused the conversation: no calls here")
+        return closing(messages, reply, tools, message)
+
+    monkeypatch.setattr(template, "closing", refusing)
+    generation = session.generate(max_tokens=120, tool_choice="required")
+    text = generation.collect()
+    assert generation.finish_reason == "stop" and generation.reply()[1]  # answered, with its call
+    assert session.messages[-1] == {"role": "assistant", "content": text}  # kept as written
