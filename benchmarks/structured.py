@@ -179,14 +179,14 @@ def _slug(what: str) -> str:
 def tool_requests(schemas=SCHEMAS) -> list[tuple[str, list[dict]]]:
     """(what to ask for, the tools offered) for each schema: a function `save_<what>` taking it
     (an array or a value of another type is the function's one `value` argument), offered with
-    the functions of the next two schemas."""
+    the functions of the next two schemas (of those there are)."""
     tools = []
     for what, schema in schemas:
         parameters = schema if schema.get("type") == "object" else {
             "type": "object", "properties": {"value": schema}, "required": ["value"], "additionalProperties": False}
         tools.append({"type": "function", "function": {"name": f"save_{_slug(what)}",
                                                          "description": f"Save {what}.", "parameters": parameters}})
-    return [(what, [tools[i], tools[(i + 1) % len(tools)], tools[(i + 2) % len(tools)]])
+    return [(what, [tools[(i + k) % len(tools)] for k in range(min(3, len(tools)))])
             for i, (what, _) in enumerate(schemas)]
 
 
