@@ -175,7 +175,7 @@ async def _chunks(generation: Generation, first: list[Piece], batches: AsyncIter
             if wanted and piece.logprobs is not None:
                 pending.append(piece.logprobs)
             # (a reply that may call tools: its text and its calls in the order written)
-            for item in (calls.feed(piece.text) if calls is not None else [piece.text]):
+            for item in (calls.feed(piece.text) if calls is not None else (piece.text,)):
                 if not isinstance(item, str):
                     events += call_events(item)
                 elif item and wanted:
