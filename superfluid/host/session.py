@@ -19,7 +19,7 @@ from superfluid.host.messages import ChatMessage, ToolCall
 from superfluid.host.errors import HostClosed
 from superfluid.host.request import GenerateRequest
 from superfluid.host.sampling import TokenLogprobs
-from superfluid.host.tools import ToolError, ToolUse, new_seed
+from superfluid.host.tools import FREE_CHOICES, ToolError, ToolUse, new_seed
 
 T = TypeVar("T")
 
@@ -286,8 +286,9 @@ class Session:
         it (superfluid/host/constraints.py), compiled here, on the calling thread. Where the
         session offers tools (Host.session(tools=...)), the model may call them: `tool_choice`
         "auto" (the default), "none", "required" or {"type": "function", "function": {"name":
-        ...}} (the last two constrain the reply to calls), `parallel_tool_calls` False for one
-        call at most; `Generation.reply()` gives the calls made. A bad value is refused here,
+        ...}} (the last two constrain the reply to calls), `parallel_tool_calls=True` for several
+        calls in one reply (unset: one, as llama-server takes it); `Generation.reply()` gives the
+        calls made. A bad value is refused here,
         with ValueError (ConstraintError for a constraint, ToolError for tools) naming it, before
         anything reaches the host."""
         tools, constraint = self._tools(tool_choice, parallel_tool_calls, self._compiled(constraint, json_schema))
@@ -318,7 +319,7 @@ class Session:
             return None, constraint
         tools = self._call(self._host.commands.tools)
         if tools is None:
-            if choice in (None, "none", "auto"):
+            if choice in FREE_CHOICES:
                 return None, constraint  # nothing to choose from, and nothing asked of it
             raise ToolError(f"session {self.id!r} offers no tools; give them when making it: "
                             "Host.session(tools=[...])")

@@ -30,7 +30,7 @@ from superfluid.host.messages import ChatMessage, ToolCall
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import MAX_TOP_LOGPROBS, Sampling, SamplingError
 from superfluid.host.tenants import MAX_SALT
-from superfluid.host.tools import ToolError, Tools, ToolUse
+from superfluid.host.tools import FREE_CHOICES, ToolError, Tools, ToolUse
 
 # Sent by common clients, and changing nothing in the answer: accepted and dropped.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt",
@@ -410,7 +410,7 @@ def tool_use_of(request: ChatRequest | SessionGenerate, tools: Any, make: Callab
     """How the request's generation may call `tools` (None: no tools and no choice), made by
     `make` (Host.tool_use: the model's own format); ApiError 400 naming what is wrong."""
     if tools is None:  # (a choice of none or auto, or parallel_tool_calls, asks nothing without tools)
-        if request.tool_choice is not None and request.tool_choice not in ("none", "auto"):
+        if request.tool_choice not in FREE_CHOICES:
             raise ApiError(400, "`tool_choice` needs `tools` to choose from", param="tool_choice")
         return None
     try:

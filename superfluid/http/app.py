@@ -32,7 +32,7 @@ from superfluid.host.messages import ChatMessage
 from superfluid.host.request import GenerateRequest, Priority, Prompt
 from superfluid.host.session import LIVENESS_SECONDS
 from superfluid.host.tenants import UNNAMED
-from superfluid.host.tools import ToolUse
+from superfluid.host.tools import FREE_CHOICES, ToolUse
 from superfluid.http import api, builders, completions, responses, worker
 from superfluid.http.connections import ABORT, OVER_CAPACITY
 from superfluid.http.keys import ApiKeys
@@ -429,7 +429,7 @@ class App:
         tools = None
         if request.tool_choice is not None or request.parallel_tool_calls is not None:
             offered = await self.call(self.host.commands.tools, session_id, tenant=exchange.tenant)
-            if offered is None and request.tool_choice not in (None, "none", "auto"):
+            if offered is None and request.tool_choice not in FREE_CHOICES:
                 raise api.ApiError(400, f"session {session_id!r} offers no tools; give `tools` when making it",
                                    param="tool_choice")
             tools = api.tool_use_of(request, offered, self.host.tool_use)
