@@ -62,6 +62,8 @@ class EntryRecord:
     last_used: int = 0
     extending: bool = False  # a Writer is appending cells
     pending_cost: float = 0.0  # the recompute cost the entry will have once they are committed
+    disk_id: int | None = None  # the disk tier's copy of these cells, if it has one
+    erased: bool = False  # its owner was deleted: never written to disk
 
     @property
     def id(self) -> int:
@@ -221,6 +223,13 @@ class Writer:
         if not isinstance(self._record.layout, BlobLayout):
             raise LayoutError("this entry holds arrays; write into `arrays`")
         return self._data[:self._record.layout.length]
+
+    def live_runs(self) -> list[np.ndarray]:
+        """Writable views of the cells to fill, as contiguous runs in canonical (checksum) order:
+        what a reader of an entry's stored bytes (the disk tier) fills in one pass."""
+        if self._first:
+            raise LayoutError("live_runs fills a new entry whole; an extension writes `arrays`")
+        return list(layouts.all_live_runs(self._data, self._record.layout, self.live))
 
     def fill(self, arrays: Sequence[layouts.KVArray]) -> int:
         """Copy each array's live cells into the entry, hashing on the way; the data checksum.

@@ -83,9 +83,8 @@ class Compacting:
         with self._lock:
             self._check_open()
             freed = 0
-            order = eviction.eviction_order(
-                eviction.Candidate(r.id, r.stored_bytes, r.header.recompute_cost, r.last_used)
-                for r in self._entries.values() if not r.refcount and self._movable(r))
+            order = eviction.eviction_order(self._candidate(r) for r in self._entries.values()
+                                            if not r.refcount and self._movable(r))
             for entry_id in order:
                 if self._bytes_used <= target_bytes:
                     break

@@ -34,11 +34,12 @@ from kvpool.maintenance import Compacting
 from kvpool.segment import Segment
 from kvpool.stats import Counters, PoolStats, snapshot
 from kvpool.store import POOL_HEADER_BYTES, Store, plan_geometry, read_pool_header
+from kvpool.tiering import Tiered
 
 SERIAL_BLOCK = 1024  # entry ids are reserved in the pool header this many at a time
 
 
-class Pool(Compacting):
+class Pool(Compacting, Tiered):
     """A shared-memory KV pool. Create one with :meth:`create`, re-attach with :meth:`attach`."""
 
     def __init__(self, store: Store) -> None:
@@ -107,8 +108,10 @@ class Pool(Compacting):
         return pool
 
     def close(self) -> None:
-        """Detach from the segment, leaving every ready entry in it for a later attach.
-        PoolBusy while entry views or writers are open."""
+        """Detach from the segment, leaving every ready entry in it for a later attach; the disk
+        tier's writer finishes the file it is writing, and the tier is closed. PoolBusy while entry
+        views or writers are open."""
+        self._stop_spilling()
         with self._lock:
             if self._closed:
                 return
@@ -302,10 +305,11 @@ class Pool(Compacting):
                namespace: str = "") -> PrefixMatch | None:
         """The ready entry of `identity` in `namespace` sharing the longest exact token prefix
         with `tokens` (only entries that `serves(entry_tokens, matched)` accepts, when given)."""
+        tokens = validation.token_ids(tokens)
         with self._lock:
             self._check_open()
-            return self._prefix.longest(prefix_space(identity, namespace), validation.token_ids(tokens),
-                                        serves=serves)
+            found = self._prefix.longest(prefix_space(identity, namespace), tokens, serves=serves)
+        return self._lookup_below(identity, tokens, serves, namespace, found)
 
     def acquire_prefix(self, identity: str, tokens, *, namespace: str = "") -> PrefixMatch | None:
         """lookup() and share() the entry found, atomically (the caller must release it)."""
@@ -343,6 +347,11 @@ class Pool(Compacting):
 
     def _movable(self, record: EntryRecord) -> bool:
         return not record.pins and not record.views and not record.extending
+
+    def _candidate(self, record: EntryRecord) -> eviction.Candidate:
+        """`record` as the eviction policy sees it (under the lock)."""
+        return eviction.Candidate(record.id, record.stored_bytes, record.header.recompute_cost, record.last_used,
+                                  self._kept_below(record))
 
     def _reserve(self, identity: str, tokens: np.ndarray, layout: Layout, data_length: int, capacity: int,
                  tag: str, recompute_cost: float | None, namespace: str) -> Writer | None:
@@ -413,9 +422,8 @@ class Pool(Compacting):
             if victims is None:  # first shortfall: giving back slack keeps every entry
                 if self.compact() > 0:
                     continue
-                victims = eviction.eviction_order(
-                    eviction.Candidate(r.id, r.stored_bytes, r.header.recompute_cost, r.last_used)
-                    for r in self._entries.values() if not r.refcount and self._movable(r))
+                victims = eviction.eviction_order(self._candidate(r) for r in self._entries.values()
+                                                  if not r.refcount and self._movable(r))
                 victims.reverse()  # pop() from the end takes the first to evict
             if not victims:
                 return None
@@ -455,11 +463,13 @@ class Pool(Compacting):
             if record.extending:
                 record.extending = False
                 self._counters.extends += 1
+                self._forget_disk_copy(record)
             else:
                 del self._writing[new.serial]
                 self._entries[new.serial] = record
                 record.refcount = 1
                 self._counters.puts += 1
+            self._queue_spill(record)
             record.last_used = next(self._clock)
             self._counters.bytes_written += written
             self._prefix.add(record.id, prefix_space(new.identity, new.namespace), self._store.tokens(new))

@@ -27,10 +27,12 @@ SHORT_CANDIDATES = 64  # entries compared for a match shorter than one block
 
 
 class PrefixMatch(msgspec.Struct, frozen=True):
-    """The entry sharing the longest prefix with a request, and how many tokens match."""
+    """The entry sharing the longest prefix with a request, and how many tokens match. An entry
+    `on_disk` is one of the disk tier's (its id is the tier's): `Pool.load` brings it into memory."""
 
     entry_id: int
     tokens: int
+    on_disk: bool = False
 
 
 def prefix_space(identity: str, namespace: str) -> str:

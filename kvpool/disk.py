@@ -1,0 +1,458 @@
+"""The disk tier: entries kept as files behind a pool, within a hard budget, found again after anything.
+
+One folder per pool (`<cache>/disk/<pool name>`, mode 0700, files 0600), locked by the process
+that owns the pool, so two processes never write the same files. Each entry is one file
+(kvpool.disk_format: data first, header last, checksums, written under a temporary name and
+renamed once flushed). Opening a tier removes what a crash left half-written, then indexes
+every file in the background (reading only headers and token ids), so a process answers at
+once and finds its disk entries as the scan reaches them.
+
+The budget is hard: an entry is written only once the tier has made room for it, evicting
+entries cheapest per byte first (recompute cost over the bytes they hold, then least recently
+used), and only entries worth less per byte than the one arriving; otherwise it is refused. A
+write also keeps `headroom` bytes of the file system free (the session log and everything else
+on the disk need them): one that would not is refused, and one that fails anyway (the disk
+filled meanwhile) leaves no file and costs only that entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from kvpool import disk_format, eviction
+from kvpool.disk_format import DiskHeader, FileUnreadable
+from kvpool.errors import DataCorrupt, EntryNotFound, PoolBusy, PoolError
+from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
+
+BUDGET_DISK_FRACTION = 0.10  # the default budget: at most a tenth of the file system ...
+BUDGET_FREE_FRACTION = 0.5  # ... and at most half of what is free on it (with what the tier holds)
+HEADROOM_FRACTION = 0.05  # each write leaves this much of the file system free ...
+HEADROOM_MIN, HEADROOM_MAX = 64 << 20, 1 << 30  # ... bounded to these bytes
+LOCK_FILE = ".lock"
+
+
+def default_budget(folder: str | os.PathLike, held: int = 0) -> int:
+    """The default disk budget for a tier in `folder` holding `held` bytes: the smaller of a tenth
+    of its file system and half of the space free on it plus what the tier holds already."""
+    fs = os.statvfs(folder)
+    total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+    return max(0, min(int(BUDGET_DISK_FRACTION * total), int(BUDGET_FREE_FRACTION * (free + held))))
+
+
+def default_headroom(folder: str | os.PathLike) -> int:
+    """Bytes each write leaves free on `folder`'s file system: 5% of it, within 64 MiB .. 1 GiB."""
+    fs = os.statvfs(folder)
+    return min(HEADROOM_MAX, max(HEADROOM_MIN, int(HEADROOM_FRACTION * fs.f_blocks * fs.f_frsize)))
+
+
+class DiskStats(msgspec.Struct, frozen=True):
+    """A snapshot of the tier: where its bytes are and what moved (every byte counted)."""
+
+    folder: str
+    budget_bytes: int
+    bytes_used: int  # every file in the folder: entries, files not yet scanned, unreadable ones
+    entries: int
+    scanning: bool  # the start-up scan is still indexing files
+    unreadable: int  # files of another format version, kept until room is needed (or gc)
+    writes: int = 0
+    bytes_written: int = 0
+    refused: int = 0  # entries not written: not worth their room, or the disk too full
+    write_failures: int = 0  # writes the file system refused (no space, an I/O error)
+    loads: int = 0  # entries read back (hits of this tier)
+    bytes_read: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    erased: int = 0  # entries removed because their owner was deleted
+    corrupt_found: int = 0  # files found torn or damaged, at the scan or on a read (removed)
+    torn_removed: int = 0  # half-written files a crash left, removed at open
+
+
+class DiskEntryInfo(msgspec.Struct, frozen=True):
+    """One disk entry, as listings show it."""
+
+    id: int
+    name: str
+    identity: str
+    namespace: str
+    tag: str
+    tokens: int
+    file_bytes: int
+    recompute_cost: float
+    created_at: float
+
+
+@dataclass(eq=False)
+class DiskRecord:
+    """The tier's in-memory record of one file."""
+
+    id: int
+    name: str
+    header: DiskHeader
+    tokens: np.ndarray
+    file_bytes: int
+    last_used: int
+    readers: int = 0
+    doomed: bool = False  # removed while being read: the file goes when the last reader leaves
+
+    def info(self) -> DiskEntryInfo:
+        """A snapshot for listings."""
+        h = self.header
+        return DiskEntryInfo(self.id, self.name, h.identity, h.namespace, h.tag, h.live, self.file_bytes,
+                             h.recompute_cost, h.created_at)
+
+
+@dataclass
+class _Counters:
+    writes: int = 0
+    bytes_written: int = 0
+    refused: int = 0
+    write_failures: int = 0
+    loads: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    erased: int = 0
+    corrupt_found: int = 0
+    torn_removed: int = 0
+
+
+class DiskTier:
+    """One pool's folder of entry files. Thread-safe; the owner of the pool holds it open."""
+
+    def __init__(self, folder: str | os.PathLike, budget_bytes: int | None = None, *,
+                 headroom: int | None = None, scan: bool = True,
+                 stage: Callable[[str], None] = disk_format.NO_STAGE) -> None:
+        """Open (creating it 0700) the tier in `folder` and lock it: PoolBusy while another process
+        has it open. `budget_bytes` None: `default_budget`. `scan` False leaves the files for
+        `scan_now()` (tests). `stage` is handed to every write (tests kill the process there)."""
+        self.folder = Path(folder)
+        self._lock = threading.Lock()
+        self._records: dict[int, DiskRecord] = {}
+        self._by_name: dict[str, int] = {}
+        self._index = PrefixIndex(lambda disk_id: self._records[disk_id].tokens)
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._counters = _Counters()
+        self._stage = stage
+        self._closed = False
+        self._lock_fd = _open_locked(self.folder)
+        try:
+            self._unreadable: dict[str, int] = {}  # files of another format version
+            self._writing: dict[str, int] = {}  # files being written, counted against the budget
+            self._unscanned = self._list_files()
+            held = sum(self._unscanned.values())
+            self.budget_bytes = default_budget(self.folder, held) if budget_bytes is None else int(budget_bytes)
+            if self.budget_bytes < 0:
+                raise ValueError(f"disk budget {budget_bytes} is negative; give bytes >= 0")
+            self.headroom = default_headroom(self.folder) if headroom is None else int(headroom)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._scanner: threading.Thread | None = None
+        self._stop_scan = threading.Event()
+        if scan:
+            self._scanner = threading.Thread(target=self.scan_now, name="kvpool-disk-scan", daemon=True)
+            self._scanner.start()
+
+    # ----------------------------------------------------------------------------- opening
+
+    def _list_files(self) -> dict[str, int]:
+        """{entry name: bytes} of the files to scan; half-written files (a crash during a write)
+        are removed here, before this process writes any."""
+        found: dict[str, int] = {}
+        for item in os.scandir(self.folder):
+            if item.name.endswith(disk_format.PARTIAL):
+                _unlink(item.path)
+                self._counters.torn_removed += 1
+            elif item.name.endswith(disk_format.SUFFIX) and item.is_file(follow_symlinks=False):
+                found[item.name[:-len(disk_format.SUFFIX)]] = item.stat(follow_symlinks=False).st_size
+        return found
+
+    def scan_now(self) -> None:
+        """Index every file not yet indexed (what the background scan does): a file that is torn
+        or damaged is removed, one of another format version kept as unreadable."""
+        while not self._stop_scan.is_set():
+            with self._lock:
+                if not self._unscanned:
+                    return
+                name, size = next(iter(self._unscanned.items()))
+            try:
+                record = self._read_record(name)
+            except FileUnreadable:
+                with self._lock:
+                    if self._unscanned.pop(name, None) is not None:
+                        self._unreadable[name] = size
+                continue
+            except (DataCorrupt, OSError):
+                with self._lock:
+                    if self._unscanned.pop(name, None) is not None:
+                        self._counters.corrupt_found += 1
+                        _unlink(self._path(name))
+                continue
+            with self._lock:
+                if self._unscanned.pop(name, None) is None:  # evicted or erased while read
+                    continue
+                record.id, record.last_used = next(self._ids), next(self._clock)
+                self._add(record)
+
+    def _read_record(self, name: str) -> DiskRecord:
+        fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            header, tokens = disk_format.read_header(fd, size, name)
+        finally:
+            os.close(fd)
+        return DiskRecord(0, name, header, tokens, size, 0)
+
+    def close(self) -> None:
+        """Stop the scan and unlock the folder; the files stay for the next open (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_scan.set()
+        if self._scanner is not None:
+            self._scanner.join()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> "DiskTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- finding
+
+    def lookup(self, identity: str, tokens: np.ndarray, serves: Callable[[int, int], bool] | None = None, *,
+               namespace: str = "") -> PrefixMatch | None:
+        """The disk entry of `identity` in `namespace` sharing the longest exact token prefix
+        with `tokens` (its id, marked on_disk)."""
+        with self._lock:
+            found = self._index.longest(prefix_space(identity, namespace), tokens, serves=serves)
+        return None if found is None else PrefixMatch(found.entry_id, found.tokens, on_disk=True)
+
+    def find_copy(self, identity: str, namespace: str, tokens: np.ndarray, data_checksum: int) -> int | None:
+        """The id of an entry holding exactly these tokens and bytes, if the tier has one (an
+        entry a pool had written before it was re-attached)."""
+        with self._lock:
+            found = self._index.longest(prefix_space(identity, namespace), tokens)
+            if found is None or found.tokens != len(tokens):
+                return None
+            record = self._records[found.entry_id]
+            same = record.header.live == len(tokens) and record.header.data_checksum == data_checksum
+            return record.id if same else None
+
+    def wait_scanned(self, timeout: float | None = None) -> bool:
+        """Wait until the start-up scan has indexed every file; False on timeout."""
+        if self._scanner is not None:
+            self._scanner.join(timeout)
+            return not self._scanner.is_alive()
+        return True
+
+    def has(self, disk_id: int | None) -> bool:
+        """Whether entry `disk_id` is still on disk."""
+        with self._lock:
+            record = self._records.get(disk_id)
+            return record is not None and not record.doomed
+
+    def entries(self) -> list[DiskEntryInfo]:
+        """Every indexed entry, by id."""
+        with self._lock:
+            return [self._records[k].info() for k in sorted(self._records)]
+
+    def stats(self) -> DiskStats:
+        """A snapshot of the tier."""
+        with self._lock:
+            return DiskStats(str(self.folder), self.budget_bytes, self._bytes_used(), len(self._records),
+                             bool(self._unscanned), len(self._unreadable), **vars(self._counters))
+
+    # ----------------------------------------------------------------------------- writing
+
+    def write(self, header: DiskHeader, tokens: np.ndarray, runs: Iterable[np.ndarray]) -> int | None:
+        """Write an entry (its header, tokens and data runs in canonical order) once room is made
+        for it; its disk id, or None when it was refused (worth less per byte than everything it
+        would displace, or the disk too full) or the write failed. The runs are read while this
+        runs: the caller keeps them in place until it returns."""
+        size = disk_format.predicted_size(header)
+        value = eviction.value_per_byte(eviction.Candidate(0, size, header.recompute_cost, 0))
+        with self._lock:
+            if self._closed or not self._make_room(size, value) or not self._disk_allows(size):
+                self._counters.refused += 1
+                return None
+            name = f"{time.time_ns():x}-{secrets.token_hex(4)}"
+            self._writing[name] = size
+        try:
+            written = disk_format.write(str(self._path(name)), header, runs, tokens, self._stage)
+        except OSError:
+            with self._lock:
+                self._writing.pop(name, None)
+                self._counters.write_failures += 1
+            return None
+        with self._lock:
+            self._writing.pop(name, None)
+            record = DiskRecord(next(self._ids), name, header, np.array(tokens, dtype=np.int32), written,
+                                next(self._clock))
+            self._add(record)
+            self._counters.writes += 1
+            self._counters.bytes_written += written
+            if self._closed:
+                return None
+            return record.id
+
+    def _make_room(self, size: int, value: float) -> bool:
+        """Evict entries worth less per byte than `value` until `size` more bytes fit the budget;
+        nothing is evicted unless that is enough. Files of another format go first."""
+        need = self._bytes_used() + size - self.budget_bytes
+        if need <= 0:
+            return True
+        if size > self.budget_bytes:
+            return False
+        order = [c for c in eviction.ranked(eviction.Candidate(r.id, r.file_bytes, r.header.recompute_cost,
+                                                               r.last_used)
+                                            for r in self._records.values() if not r.readers and not r.doomed)
+                 if eviction.value_per_byte(c) < value]
+        if sum(self._unreadable.values()) + sum(c.stored_bytes for c in order) < need:
+            return False
+        for name in list(self._unreadable):
+            if need <= 0:
+                break
+            need -= self._unreadable.pop(name)
+            _unlink(self._path(name))
+            self._counters.evictions += 1
+        for candidate in order:
+            if need <= 0:
+                break
+            need -= candidate.stored_bytes
+            self._counters.evictions += 1
+            self._counters.evicted_bytes += candidate.stored_bytes
+            self._remove(self._records[candidate.entry_id])
+        return True
+
+    def _disk_allows(self, size: int) -> bool:
+        fs = os.statvfs(self.folder)
+        return fs.f_bavail * fs.f_frsize - size >= self.headroom
+
+    # ----------------------------------------------------------------------------- reading
+
+    @contextlib.contextmanager
+    def reading(self, disk_id: int) -> Iterator[tuple[DiskHeader, np.ndarray, Callable[[Iterable[np.ndarray]], int]]]:
+        """(header, tokens, read_into) of entry `disk_id`, kept on disk while the block runs;
+        `read_into(runs)` reads its data into the runs (one copy, verified: DataCorrupt, and the
+        file is removed, when it fails). EntryNotFound once it is gone."""
+        with self._lock:
+            record = self._records.get(disk_id)
+            if record is None or record.doomed:
+                raise EntryNotFound(f"no disk entry {disk_id} in {self.folder}")
+            record.readers += 1
+            record.last_used = next(self._clock)
+        fd = None
+        try:
+            fd = os.open(self._path(record.name), os.O_RDONLY | os.O_CLOEXEC)
+
+            def read_into(runs: Iterable[np.ndarray]) -> int:
+                try:
+                    done = disk_format.read_data(fd, record.header, runs, record.name)
+                except DataCorrupt:
+                    with self._lock:
+                        self._counters.corrupt_found += 1
+                        self._remove(record)
+                    raise
+                with self._lock:
+                    self._counters.loads += 1
+                    self._counters.bytes_read += done
+                return done
+
+            yield record.header, record.tokens, read_into
+        except FileNotFoundError:
+            with self._lock:
+                self._remove(record)
+            raise EntryNotFound(f"disk entry {disk_id} ({record.name}) was removed from {self.folder}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+            with self._lock:
+                record.readers -= 1
+                if record.doomed and not record.readers:
+                    _unlink(self._path(record.name))
+
+    # ----------------------------------------------------------------------------- removing
+
+    def remove(self, disk_id: int) -> None:
+        """Remove entry `disk_id` and its file (a no-op once it is gone)."""
+        with self._lock:
+            record = self._records.get(disk_id)
+            if record is not None:
+                self._remove(record)
+
+    def erase(self, *, tag: str | None = None, namespace: str | None = None) -> int:
+        """Remove every entry carrying `tag` (and, when given, of `namespace`), files included:
+        what deleting a session or a tenant erases. Files not yet scanned are read for their tag
+        first, so nothing of theirs is left behind. The entries removed."""
+        self.scan_now()  # (what is still unscanned might carry the tag)
+        with self._lock:
+            doomed = [r for r in self._records.values()
+                      if (tag is None or r.header.tag == tag) and (namespace is None or r.header.namespace == namespace)]
+            for record in doomed:
+                self._remove(record)
+            self._counters.erased += len(doomed)
+            return len(doomed)
+
+    def _add(self, record: DiskRecord) -> None:
+        self._records[record.id] = record
+        self._by_name[record.name] = record.id
+        self._index.add(record.id, prefix_space(record.header.identity, record.header.namespace), record.tokens)
+
+    def _remove(self, record: DiskRecord) -> None:
+        if self._records.pop(record.id, None) is None:
+            return
+        del self._by_name[record.name]
+        self._index.remove(record.id)
+        if record.readers:
+            record.doomed = True  # its reader's descriptor keeps the bytes; the file goes after it
+        else:
+            _unlink(self._path(record.name))
+
+    def _bytes_used(self) -> int:
+        return (sum(r.file_bytes for r in self._records.values()) + sum(self._unscanned.values())
+                + sum(self._unreadable.values()) + sum(self._writing.values()))
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"{name}{disk_format.SUFFIX}"
+
+
+def _open_locked(folder: Path) -> int:
+    """Create `folder` (0700) if need be, check it is this user's and private, and lock it for
+    this process: PoolBusy while another holds it."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.stat(folder, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PoolError(f"disk tier folder {folder} is not a directory of this user; remove it or give "
+                        "another folder")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(folder, 0o700)  # made by an older release or by hand: entries are private
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PoolBusy(f"disk tier {folder} is open in another process (each pool's owner keeps its own "
+                       "folder); stop it, or give this pool another name") from None
+    return fd
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
