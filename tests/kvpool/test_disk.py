@@ -1,0 +1,356 @@
+"""The disk tier behind a pool: spilled in the background, found again after a restart or a crash,
+within a hard budget, verified before anything reads it, and private.
+
+Each test has its own tier folder (pytest's tmp_path, removed with it) and its own pool segment.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool import DataCorrupt, EntryBusy, KVArray, PoolBusy, PoolError, disk_format
+from kvpool.disk import DiskTier, default_budget
+from tests.kvpool import disk_crash_writer as crash
+
+MODEL = "model-a"
+ENOUGH = 64 << 20
+
+
+def cells(seed: int, tokens: int, heads: int = 2, width: int = 8) -> np.ndarray:
+    """(heads, tokens, width) float32 cells that follow from `seed`."""
+    return (np.arange(heads * tokens * width, dtype=np.float32).reshape(heads, tokens, width) + seed * 1e6)
+
+
+def token_ids(seed: int, count: int) -> list[int]:
+    """Token ids that follow from `seed` (two seeds share no first token)."""
+    return [seed * 1000 + i for i in range(count)]
+
+
+def put(pool, seed: int, tokens: int = 32, *, tag: str = "", cost: float | None = None, capacity: int | None = None):
+    """Put entry `seed` and release the caller's reference: it stays cached, evictable."""
+    info = pool.put(MODEL, token_ids(seed, tokens), [KVArray("k", cells(seed, tokens), 1)], tag=tag,
+                    recompute_cost=cost, capacity=capacity)
+    pool.release(info.id)
+    return info
+
+
+def tiered(make_pool, folder: Path, *, disk_budget: int = ENOUGH, size: int = 4 << 20, **options):
+    """A pool with a disk tier in `folder`."""
+    pool = make_pool(size)
+    pool.attach_disk(DiskTier(folder, disk_budget, headroom=0, **options))
+    return pool
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
+
+
+def test_an_entry_evicted_from_memory_is_loaded_back_from_disk_byte_for_byte(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    info = put(pool, 1, 40, capacity=64)  # slack is not written: the file holds 40 cells
+    assert pool.wait_spilled(10)
+    disk = pool.disk_stats()
+    assert disk.writes == 1 and disk.entries == 1 and disk.bytes_written == disk.bytes_used
+    assert disk.bytes_written < info.live_bytes + 1024
+    pool.evict(info.id)
+    match = pool.lookup(MODEL, token_ids(1, 50))
+    assert match.on_disk and match.tokens == 40
+    loaded = pool.load(match.entry_id, MODEL)
+    with pool.get(loaded.id) as view:
+        assert np.array_equal(view.arrays["k"], cells(1, 40))
+        assert list(view.tokens) == token_ids(1, 40)
+    assert pool.disk_stats().bytes_read == cells(1, 40).nbytes and pool.disk_stats().loads == 1
+    pool.release(loaded.id)
+    # once loaded it is in memory again, and found there first; it is not written twice
+    assert not pool.lookup(MODEL, token_ids(1, 50)).on_disk
+    assert pool.wait_spilled(10) and pool.disk_stats().writes == 1
+
+
+def test_a_blob_entry_goes_to_disk_and_back(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    blob = np.frombuffer(os.urandom(10_000), np.uint8)
+    info = pool.put_blob(MODEL, token_ids(2, 20), blob, tag="request")
+    pool.release(info.id)
+    assert pool.wait_spilled(10)
+    pool.evict(info.id)
+    loaded = pool.load(pool.lookup(MODEL, token_ids(2, 20)).entry_id, MODEL)
+    with pool.get(loaded.id) as view:
+        assert bytes(view.blob) == blob.tobytes() and view.info.tag == "request"
+    pool.release(loaded.id)
+
+
+def test_memory_keeps_a_longer_match_and_disk_answers_only_beyond_it(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    short = put(pool, 3, 20)
+    long = put(pool, 3, 48)
+    assert pool.wait_spilled(10)
+    assert pool.lookup(MODEL, token_ids(3, 60)) == pool.lookup(MODEL, token_ids(3, 60))  # stable
+    assert pool.lookup(MODEL, token_ids(3, 60)).entry_id == long.id  # memory, on a tie
+    pool.evict(long.id)
+    found = pool.lookup(MODEL, token_ids(3, 60))
+    assert found.on_disk and found.tokens == 48  # the disk holds more than memory's 20
+    assert pool.lookup(MODEL, token_ids(3, 20)).entry_id == short.id
+
+
+def test_a_new_pool_on_the_same_folder_finds_every_entry_after_a_restart(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    for seed in range(4):
+        put(pool, seed, 24 + seed, tag=f"session:{seed}")
+    assert pool.wait_spilled(10)
+    pool.close()
+    again = tiered(make_pool, tmp_path)  # a new segment: memory is empty, as after a reboot
+    assert again.disk.wait_scanned(10)
+    for seed in range(4):
+        match = again.lookup(MODEL, token_ids(seed, 40))
+        assert match.on_disk and match.tokens == 24 + seed
+        loaded = again.load(match.entry_id, MODEL)
+        with again.get(loaded.id) as view:
+            assert np.array_equal(view.arrays["k"], cells(seed, 24 + seed)) and view.info.tag == f"session:{seed}"
+        again.release(loaded.id)
+    # entries still in a re-attached memory pool are matched to their files, not written again
+    assert again.wait_spilled(10) and again.disk_stats().writes == 0
+
+
+def test_an_entry_of_another_identity_is_never_found_or_loaded(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 4, 32)
+    assert pool.wait_spilled(10)
+    pool.evict(pool.entries()[0].id)
+    assert pool.lookup("model-b", token_ids(4, 32)) is None
+    disk_id = pool.lookup(MODEL, token_ids(4, 32)).entry_id
+    with pytest.raises(PoolError, match="another model's state is never loaded"):
+        pool.load(disk_id, "model-b")
+    assert pool.stats().entries == 0  # nothing was reserved for it
+    assert pool.lookup(MODEL, token_ids(4, 32)).on_disk  # and the entry is still there for its model
+
+
+def test_a_damaged_file_is_refused_before_anything_reads_it_and_removed(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 5, 32)
+    assert pool.wait_spilled(10)
+    pool.evict(pool.entries()[0].id)
+    (path,) = [tmp_path / name for name in files(tmp_path)]
+    with open(path, "r+b") as f:  # one bit of the data flipped
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    disk_id = pool.lookup(MODEL, token_ids(5, 32)).entry_id
+    with pytest.raises(DataCorrupt, match="fails its checksum"):
+        pool.load(disk_id, MODEL)
+    assert pool.stats().entries == 0 and pool.stats().writing == 0  # the reserved entry was given back
+    assert files(tmp_path) == [] and pool.lookup(MODEL, token_ids(5, 32)) is None
+    assert pool.disk_stats().corrupt_found == 1
+
+
+@pytest.mark.parametrize("stage", ["data", "tokens", "header", "synced", "renamed"])
+def test_killed_inside_a_write_the_next_open_finds_every_whole_entry_and_no_torn_one(tmp_path, stage):
+    folder = tmp_path / "tier"
+    child = subprocess.run([sys.executable, crash.__file__, str(folder), stage], capture_output=True,
+                           timeout=120, cwd=Path(__file__).parents[2])
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    left = files(folder)
+    assert sum(name.endswith(disk_format.PARTIAL) for name in left) == (0 if stage == "renamed" else 1)
+    tier = DiskTier(folder, 64 << 20, headroom=0, scan=False)
+    try:
+        tier.scan_now()
+        expected = crash.WHOLE_ENTRIES + (1 if stage == "renamed" else 0)
+        assert sorted(e.tag for e in tier.entries()) == [f"s{i}" for i in range(expected)]
+        assert tier.stats().torn_removed == (0 if stage == "renamed" else 1)
+        assert not any(name.endswith(disk_format.PARTIAL) for name in files(folder))
+        for entry in tier.entries():
+            seed = int(entry.tag[1:])
+            out = np.empty_like(crash.cells(seed))
+            with tier.reading(entry.id) as (header, tokens, read_into):
+                read_into([out])
+            assert np.array_equal(out, crash.cells(seed)) and np.array_equal(tokens, crash.token_ids(seed))
+    finally:
+        tier.close()
+
+
+def test_a_truncated_or_foreign_file_is_removed_at_the_scan_and_another_format_is_kept(tmp_path):
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        tier.write(crash.header(0), crash.token_ids(0), [crash.cells(0)])
+    (whole,) = files(tmp_path)
+    data = (tmp_path / whole).read_bytes()
+    (tmp_path / "cut.kv").write_bytes(data[:-5])  # a file cut short
+    (tmp_path / "junk.kv").write_bytes(b"not an entry at all" * 10)
+    newer = crash.header(1).__class__(**{**{f: getattr(crash.header(1), f) for f in crash.header(1).__struct_fields__},
+                                         "version": 99})
+    disk_format.write(str(tmp_path / "newer.kv"), newer, [crash.cells(1)], crash.token_ids(1))
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        tier.scan_now()
+        stats = tier.stats()
+        assert [e.name for e in tier.entries()] == [whole[:-3]]
+        assert stats.corrupt_found == 2 and stats.unreadable == 1
+        assert sorted(files(tmp_path)) == sorted([whole, "newer.kv"])
+        assert stats.bytes_used == len(data) + (tmp_path / "newer.kv").stat().st_size
+
+
+def test_the_budget_holds_under_a_stream_of_parks_evicting_cheapest_per_byte(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 100, 32, cost=1e6)
+    assert pool.wait_spilled(10)
+    pool.disk.budget_bytes = int(4.5 * pool.disk_stats().bytes_used)  # room for four files of this size
+    for seed in range(20):
+        put(pool, seed, 32, cost=32 + seed)  # each worth more than the one before
+        assert pool.wait_spilled(10)
+        stats = pool.disk_stats()
+        assert stats.bytes_used <= stats.budget_bytes
+        assert sum((tmp_path / name).stat().st_size for name in files(tmp_path)) == stats.bytes_used
+    on_disk = sorted(int(e.recompute_cost) for e in pool.disk.entries())
+    assert on_disk == [49, 50, 51, 1_000_000]  # the dearest per byte stayed
+    assert pool.disk_stats().evictions == 17
+
+
+def test_an_entry_worth_less_than_everything_on_a_full_tier_is_refused(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 1, 32, cost=1000.0)
+    assert pool.wait_spilled(10)
+    pool.disk.budget_bytes = int(2.5 * pool.disk_stats().bytes_used)  # room for two
+    put(pool, 2, 32, cost=1000.0)
+    assert pool.wait_spilled(10)
+    put(pool, 3, 32, cost=1.0)
+    assert pool.wait_spilled(10)
+    stats = pool.disk_stats()
+    assert stats.refused == 1 and stats.evictions == 0 and stats.entries == 2
+
+
+def test_memory_evicts_an_entry_with_a_disk_copy_before_a_dearer_one_without(make_pool, tmp_path):
+    gate = threading.Event()
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+    kept = put(pool, 1, 32, cost=1.0)  # cheap, but on disk
+    assert pool.wait_spilled(10)
+    pool.disk._stage = lambda name: gate.wait(10) if name == "data" else None  # the next spill waits
+    dear = put(pool, 2, 32, cost=1e6)
+    assert pool._spill_busy or not pool.wait_spilled(0.2)
+    try:
+        pool.shed(pool.stats().bytes_used - 1)  # room for one entry less
+        assert [e.id for e in pool.entries()] == [dear.id]
+        assert kept.id not in [e.id for e in pool.entries()]
+        with pytest.raises(EntryBusy):  # held by the writer while it reads it: not evicted
+            pool.evict(dear.id)
+    finally:
+        gate.set()
+    assert pool.wait_spilled(10) and pool.disk_stats().entries == 2
+
+
+def test_the_writer_keeps_its_entry_in_place_while_compaction_moves_others(make_pool, tmp_path):
+    gate, reading = threading.Event(), threading.Event()
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+
+    def hold(name):
+        if name == "data":
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    held = put(pool, 1, 16, capacity=2048)  # mostly slack: compaction would move both
+    queued = put(pool, 2, 16, capacity=2048)
+    assert reading.wait(10)
+
+    def extents(entry):
+        return [extent for extent in pool.arena_map() if extent[2].startswith(f"{entry.id}.")]
+
+    before, other = extents(held), extents(queued)
+    assert pool.compact() > 0
+    assert extents(held) == before and extents(queued) != other  # only the one not being read moved
+    assert pool.info(held.id).slack_bytes > 0 and pool.info(queued.id).slack_bytes == 0
+    gate.set()
+    assert pool.wait_spilled(10)
+    for entry in pool.entries():
+        pool.evict(entry.id)
+    for seed, tokens in ((1, 16), (2, 16)):
+        loaded = pool.load(pool.lookup(MODEL, token_ids(seed, tokens)).entry_id, MODEL)
+        with pool.get(loaded.id) as view:
+            assert np.array_equal(view.arrays["k"], cells(seed, tokens))
+        pool.release(loaded.id)
+
+
+def test_erasing_a_tag_removes_its_files_and_keeps_its_memory_entries_off_disk(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 1, 20, tag="session:a", capacity=24)
+    put(pool, 2, 20, tag="session:b")
+    assert pool.wait_spilled(10)
+    assert pool.erase(tag="session:a") == 1
+    assert [e.tag for e in pool.disk.entries()] == ["session:b"] and len(files(tmp_path)) == 1
+    assert pool.disk_stats().erased == 1
+    # an extension would queue the entry again: an erased one is never written back
+    (erased,) = [e for e in pool.entries() if e.tag == "session:a"]
+    pool.share(erased.id)
+    with pool.extend(erased.id, [9, 9]) as writer:
+        writer.arrays["k"][...] = 0
+        writer.commit()
+    pool.release(erased.id)
+    assert pool.wait_spilled(10) and [e.tag for e in pool.disk.entries()] == ["session:b"]
+
+
+def test_a_failed_write_leaves_no_file_and_costs_only_that_entry(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+
+    def no_space(name):
+        if name == "tokens":
+            raise OSError(28, "No space left on device")
+
+    pool.disk._stage = no_space
+    info = put(pool, 1, 20)
+    assert pool.wait_spilled(10)
+    assert files(tmp_path) == [] and pool.disk_stats().write_failures == 1
+    assert pool.info(info.id).tokens == 20  # the entry is still in memory
+    pool.disk._stage = disk_format.NO_STAGE
+    put(pool, 2, 20)
+    assert pool.wait_spilled(10) and pool.disk_stats().writes == 1
+
+
+def test_a_write_that_would_leave_less_than_the_headroom_free_is_refused(make_pool, tmp_path):
+    pool = make_pool(4 << 20)
+    fs = os.statvfs(tmp_path)
+    pool.attach_disk(DiskTier(tmp_path, ENOUGH, headroom=fs.f_bavail * fs.f_frsize))
+    put(pool, 1, 20)
+    assert pool.wait_spilled(10)
+    assert pool.disk_stats().refused == 1 and files(tmp_path) == []
+
+
+def test_the_folder_and_files_are_private_and_one_process_writes_them(make_pool, tmp_path):
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)
+    pool = tiered(make_pool, folder)
+    put(pool, 1, 20)
+    assert pool.wait_spilled(10)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert [stat.S_IMODE((folder / name).stat().st_mode) for name in files(folder)] == [0o600]
+    other = subprocess.run([sys.executable, "-c", "import sys; from kvpool.disk import DiskTier; "
+                            "DiskTier(sys.argv[1], 1 << 20)", str(folder)],
+                           capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60)
+    assert other.returncode != 0 and "open in another process" in other.stderr
+
+
+def test_the_scan_runs_beside_lookups_and_finds_entries_as_it_goes(tmp_path):
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        for seed in range(3):
+            tier.write(crash.header(seed), crash.token_ids(seed), [crash.cells(seed)])
+    tier = DiskTier(tmp_path, ENOUGH, headroom=0, scan=False)
+    try:
+        assert tier.stats().scanning and tier.lookup("crash-model", crash.token_ids(1)) is None
+        assert tier.stats().bytes_used > 0  # unscanned files count against the budget already
+        tier.scan_now()
+        assert not tier.stats().scanning and tier.lookup("crash-model", crash.token_ids(1)).tokens == crash.TOKENS
+    finally:
+        tier.close()
+
+
+def test_the_default_budget_follows_the_disk(tmp_path):
+    fs = os.statvfs(tmp_path)
+    total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+    assert default_budget(tmp_path) == min(total // 10, free // 2) or abs(default_budget(tmp_path)
+                                                                        - min(total // 10, free // 2)) < 1 << 24
+    assert default_budget(tmp_path, held=10 << 30) >= default_budget(tmp_path)
