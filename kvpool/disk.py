@@ -433,6 +433,28 @@ class DiskTier:
         return self.folder / f"{name}{disk_format.SUFFIX}"
 
 
+def remove_tier(folder: str | os.PathLike) -> int:
+    """Remove a closed tier's folder and every entry in it (`pool rm`, a host closed with its
+    pool removed); PoolBusy while a process has it open. The bytes removed. Files that are not
+    the tier's are left, and then so is the folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    fd = _open_locked(folder)
+    removed = 0
+    try:
+        for item in os.scandir(folder):
+            if item.name.endswith((disk_format.SUFFIX, disk_format.PARTIAL)) and item.is_file(follow_symlinks=False):
+                removed += item.stat(follow_symlinks=False).st_size
+                _unlink(item.path)
+        _unlink(folder / LOCK_FILE)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # not empty: someone else's files stay
+        folder.rmdir()
+    return removed
+
+
 def _open_locked(folder: Path) -> int:
     """Create `folder` (0700) if need be, check it is this user's and private, and lock it for
     this process: PoolBusy while another holds it."""

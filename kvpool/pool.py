@@ -109,7 +109,7 @@ class Pool(Compacting, Tiered):
 
     def close(self) -> None:
         """Detach from the segment, leaving every ready entry in it for a later attach; the disk
-        tier's writer finishes the file it is writing, and the tier is closed. PoolBusy while entry
+        tier's writer first writes what is queued, and the tier is closed. PoolBusy while entry
         views or writers are open."""
         self._stop_spilling()
         with self._lock:

@@ -127,10 +127,12 @@ class Tiered:
         record.disk_id = None
 
     def _stop_spilling(self) -> None:
-        """Let the writer finish the file it is writing, then end it (before the pool closes)."""
+        """Let the writer write what is queued, then end it and close the tier (before the pool
+        closes: what a host parks as it closes reaches the disk too)."""
         if self._disk is None:
             return
         with self._lock:
+            self._spill_wake.wait_for(lambda: not self._spill_queue and not self._spill_busy)
             self._spill_stop = True
             self._spill_wake.notify_all()
         self._spiller.join()

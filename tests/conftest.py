@@ -7,8 +7,11 @@ skips as skips while working on a machine without everything installed.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import shutil
+import tempfile
 import threading
 
 import pytest
@@ -33,6 +36,13 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 _names = itertools.count()
+
+# Every host a test opens (in this process or a server it starts) keeps its disk tier in a folder
+# of this run's own, removed when the run ends; hosts are told their pool's name, so each test's
+# tier is its own folder inside it.
+_disk_tiers = tempfile.mkdtemp(prefix="superfluid-test-disk-")
+os.environ["SUPERFLUID_DISK_TIERS"] = _disk_tiers
+atexit.register(shutil.rmtree, _disk_tiers, True)
 
 
 @pytest.hookimpl(hookwrapper=True)

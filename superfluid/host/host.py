@@ -20,12 +20,13 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from engines import models, registry
 from engines.base import Descriptor, Engine, TokenVocabulary
 from engines.errors import ModelLoadError
-from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, segment
+from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, places, segment
+from kvpool.disk import DiskTier, remove_tier
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands
@@ -70,6 +71,7 @@ class Host:
                  max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
                  decode_step_target: float | None = 0.5, max_sessions: int | None = 1_000_000,
                  max_messages: int | None = 100_000, session_expiry_seconds: float | None = None,
+                 disk_tier: bool = True, disk_budget: int | None = None, disk_dir: str | os.PathLike | None = None,
                  engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,
                  clock: Callable[[], float] = time.monotonic, **runtime_options: Any) -> None:
         """Load `model` with `runtime` (default: the one the file calls for), attach or create the
@@ -90,7 +92,12 @@ class Host:
         (TooManySessions beyond), `max_messages` messages in one prompt or one append
         (TooManyMessages); `session_expiry_seconds` deletes a session idle that long (nothing
         logged for it since, or since this host started), never a pinned one; None: no limit,
-        and the default for expiry (sessions are promised to survive). `engine_factory` opens
+        and the default for expiry (sessions are promised to survive).
+        Disk tier: with `disk_tier` (the default), parked KV is also written in the background to
+        `disk_dir` (default: disk/<pool_name> under superfluid's cache), within `disk_budget`
+        bytes (None: a tenth of that file system, at most half of its free space), so that it
+        outlives the memory budget, a restart and a reboot; deleting or expiring a session erases
+        its entries there. `engine_factory` opens
         an engine that is not in the registry (an adapter of your own); `model` and `runtime` then
         only name it. `churn` is a test mode that parks and preempts on purpose at every tick and
         checks the KV bookkeeping as it goes (see superfluid.host.churn.Churn); outputs do not change.
@@ -113,8 +120,12 @@ class Host:
             engine_factory = lambda: adapter(model, **options)  # noqa: E731
         self._log = SessionLog(log_dir or default_log_dir(pool_name), log_sync)
         self._counters = Counters()
+        if disk_budget is not None and (not isinstance(disk_budget, int) or disk_budget < 0):
+            raise ValueError(f"disk_budget={disk_budget!r}: must be bytes >= 0, or None for the default")
+        disk = DiskSettings(Path(disk_dir) if disk_dir is not None else places.disk_folder(pool_name),
+                            disk_budget) if disk_tier else None
         self._scheduler = Scheduler(engine_factory, lambda descriptor: _open_pool(pool_name, pool_bytes, descriptor,
-                                                                                  export_budget),
+                                                                                  export_budget, disk),
                                     self._log, self._counters, policy, clock=clock)
         self._thread = EngineThread(self._scheduler)
         try:
@@ -269,8 +280,8 @@ class Host:
 
     def close(self, *, remove_pool: bool = False) -> None:
         """Park every live lane, sync and close the log, release the engine and the pool. Its
-        segment stays for the next Host unless `remove_pool` (then parked KV is gone, and a
-        restarted Host prefills its sessions from the log). Idempotent."""
+        segment and disk tier stay for the next Host unless `remove_pool` (then parked KV is gone,
+        from memory and disk, and a restarted Host prefills its sessions from the log). Idempotent."""
         thread = self._thread
         closed = False
         if thread.error is None and thread.alive():
@@ -291,6 +302,8 @@ class Host:
                 pass  # views left open by the failed scheduler: the segment stays for the next Host
         if remove_pool and self.pool.name in segment.list_pool_names():
             segment.unlink(self.pool.name)
+        if remove_pool and self.pool.disk is not None:
+            remove_tier(self.pool.disk.folder)
 
     def __enter__(self) -> Host:
         return self
@@ -334,7 +347,27 @@ def _policy(**settings: Any) -> Policy:
     return Policy(**settings)
 
 
-def _open_pool(name: str, size: int, descriptor: Descriptor, export_budget: int | None) -> Pool:
+class DiskSettings(NamedTuple):
+    """Where a host's disk tier lives, and its budget (None: the default for that disk)."""
+
+    folder: Path
+    budget: int | None
+
+
+def _open_pool(name: str, size: int, descriptor: Descriptor, export_budget: int | None,
+               disk: DiskSettings | None) -> Pool:
+    """The pool `name` (attached, or created), with its disk tier behind it when `disk` is given."""
+    pool = _attach_or_create(name, size, descriptor, export_budget)
+    if disk is not None:
+        try:
+            pool.attach_disk(DiskTier(disk.folder, disk.budget))
+        except BaseException:
+            pool.close()
+            raise
+    return pool
+
+
+def _attach_or_create(name: str, size: int, descriptor: Descriptor, export_budget: int | None) -> Pool:
     """Attach pool `name`, or create it once the model and its KV cache are loaded (so the memory
     check sees what they took)."""
     try:

@@ -241,14 +241,45 @@ class KVManager:
                 except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
                     self._close(live)
         if live.seq is None:
+            self._count_tiers(source)
             self._open(live, self.engine.new_sequence(), 0)
-            if source.pool_tokens > 0:
+            if source.pool_tokens > 0 and source.match.on_disk:
+                self._import_from_disk(live, source.match.entry_id, source.pool_tokens)
+            elif source.pool_tokens > 0:
                 self._import(live, source.match.entry_id, source.pool_tokens)
                 # The pool holds what came in, so only what follows it is unexported: counted
                 # from the session's start, a request resumed from a long cached prefix would be
                 # checkpointed (its whole KV copied out again) at its first token.
                 live.since_park = len(live.state.tokens) - live.kv
         self.release_held(live)
+
+    def _count_tiers(self, source: Source) -> None:
+        """Count where a lane that does not fork found its prefix: memory, disk, or neither."""
+        on_disk = source.pool_tokens > 0 and source.match.on_disk
+        if source.pool_tokens > 0 and not on_disk:
+            self.counters.memory_hits += 1
+            return
+        self.counters.memory_misses += 1
+        if on_disk:
+            self.counters.disk_hits += 1
+        elif self.pool.disk is not None:
+            self.counters.disk_misses += 1
+
+    def _import_from_disk(self, live: Live, disk_id: int, keep: int) -> None:
+        """Read disk entry `disk_id` into the pool (one copy, verified), then import it as any
+        entry: two copies from disk to engine. A file found damaged or gone, or no room in
+        memory, leaves the lane empty (its tokens are prefilled)."""
+        try:
+            loaded = self.pool.load(disk_id, self.descriptor.identity)
+        except PoolError:  # DataCorrupt (the file is removed), gone, or another identity's
+            loaded = None
+        if loaded is None:
+            self.counters.import_failures += 1
+            return
+        try:
+            self._import(live, loaded.id, keep)
+        finally:
+            self.pool.release(loaded.id)  # cached in memory now, evictable as any entry
 
     def _import(self, live: Live, entry: int, keep: int) -> None:
         """Import pool entry `entry` into `live`'s new, empty lane and cut it to `keep` tokens. When
@@ -330,6 +361,12 @@ class KVManager:
         self.release_held(live)
         self.unpin(live)
 
+    def erase(self, live: Live) -> None:
+        """Erase what the disk tier keeps of durable session `live` (deleted or expired): its
+        memory entries stay cached, evictable, and are never written to disk again."""
+        if live.durable:
+            self.pool.erase(tag=session_tag(live.state.id), namespace=live.state.namespace)
+
     def resync(self, live: Live) -> None:
         """After a step the engine refused part-way: `live.kv` from what the engine holds."""
         held = self.engine.length(live.seq)
@@ -351,7 +388,7 @@ class KVManager:
             live.since_park = 0  # also after a failure: retried at the next checkpoint, not every token
             try:
                 # a request lane's id means nothing after it ends: its entry is tagged as a request's
-                tag = f"session:{live.state.id}" if live.durable else "request"
+                tag = session_tag(live.state.id) if live.durable else "request"
                 info = transfer.export(self.engine, self.pool, live.seq, live.state.tokens[:live.kv], tag=tag,
                                        namespace=live.state.namespace)
             except (PoolError, EngineError):
@@ -494,6 +531,11 @@ class KVManager:
         if used <= self.high_watermark * budget:
             return 0
         return self.pool.shed(int(self.low_watermark * budget))
+
+
+def session_tag(session_id: str) -> str:
+    """The tag of a durable session's pool entries (how they are found to be erased with it)."""
+    return f"session:{session_id}"
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -44,7 +44,7 @@ from superfluid.host.log import LogWriteFailed, SessionLog
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
 from superfluid.host.session import Generation, Piece, Wakes, wake_readers
 from superfluid.host.sessions import Sessions
-from superfluid.host.stats import Counters, HostStats, Publisher
+from superfluid.host.stats import Counters, HostStats, Publisher, tier_stats
 from superfluid.host.tenants import TenantLoad, tenant_stats
 
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
@@ -166,6 +166,7 @@ class Scheduler:
                 LOG.warning("expiring session %r: the session log refused its deletion (%s)", live.state.id, exc)
                 return
             self.kv.drop(live)
+            self.kv.erase(live)
             self.counters.expired_sessions += 1
 
     def end_round(self, closing: bool) -> None:
@@ -202,7 +203,8 @@ class Scheduler:
                          interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
                          expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
                          log_sync_failures=c.log_sync_failures,
-                         tenants=tenant_stats(self.active, kv.lanes, sessions.owned, c.rejected_by_tenant))
+                         tenants=tenant_stats(self.active, kv.lanes, sessions.owned, c.rejected_by_tenant),
+                         tiers=tier_stats(pool, self.kv.pool.disk_stats(), c))
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics where due (`force`: now), then tell the generations that ended."""

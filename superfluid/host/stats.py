@@ -29,6 +29,11 @@ class Counters:
     imports: int = 0
     import_failures: int = 0
     export_failures: int = 0
+    # where admitted lanes found their prompt's prefix (a fork of a live lane counts in neither)
+    memory_hits: int = 0
+    memory_misses: int = 0
+    disk_hits: int = 0  # found on disk (missed in memory) and read back
+    disk_misses: int = 0  # found in neither tier, with a disk tier
     preemptions: int = 0  # running generations swapped out to the pool to make room
     idle_parks: int = 0  # idle lanes parked to free the engine's cells
     rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
@@ -48,6 +53,20 @@ class TenantStats(msgspec.Struct, frozen=True):
     waiting: int = 0  # of which not started yet
     lanes: int = 0  # engine sequences running its generations
     rejected: int = 0  # generations refused as Overloaded
+
+
+class TierStats(msgspec.Struct, frozen=True):
+    """One tier of KV beyond the engine (the memory pool, the disk): lookups it answered or
+    missed, what it evicted, every byte copied into and out of it, and what it holds."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0  # copied out of the tier (memory: into the engine; disk: into memory)
+    bytes_written: int = 0  # copied into the tier (memory: exports and disk reads; disk: spills)
+    bytes_used: int = 0
+    budget_bytes: int = 0
+    entries: int = 0
 
 
 class HostStats(msgspec.Struct, frozen=True):
@@ -86,6 +105,18 @@ class HostStats(msgspec.Struct, frozen=True):
     log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
     log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
     tenants: dict[str, TenantStats] = {}  # by tenant ("" the unnamed one): those with sessions, work or refusals
+    tiers: dict[str, TierStats] = {}  # "memory" (the pool), and "disk" where the pool has a disk tier
+
+
+def tier_stats(pool: Any, disk: Any, counters: Counters) -> dict[str, TierStats]:
+    """Each tier's statistics from the pool's (kvpool.PoolStats), the disk tier's
+    (kvpool.disk.DiskStats, or None without one) and the scheduler's counters."""
+    tiers = {"memory": TierStats(counters.memory_hits, counters.memory_misses, pool.evictions, pool.bytes_read,
+                                 pool.bytes_written, pool.bytes_used, pool.budget_bytes, pool.entries)}
+    if disk is not None:
+        tiers["disk"] = TierStats(counters.disk_hits, counters.disk_misses, disk.evictions, disk.bytes_read,
+                                  disk.bytes_written, disk.bytes_used, disk.budget_bytes, disk.entries)
+    return tiers
 
 
 class Publisher:

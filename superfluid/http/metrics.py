@@ -68,6 +68,22 @@ HOST_SERIES = (
     ("kv_cell_bytes", "gauge", "Bytes of KV per cell (the cell price).", "cell_price"),
 )
 
+# Each tier of KV beyond the engine: (name, kind, help, TierStats field), labelled by tier
+# ("memory": the shared-memory pool; "disk": its disk tier, where it has one).
+TIER_SERIES = (
+    ("kv_tier_hits", "counter", "Lanes that found their prompt's prefix in a tier (disk: after missing memory).",
+     "hits"),
+    ("kv_tier_misses", "counter", "Lanes that did not find their prompt's prefix in a tier.", "misses"),
+    ("kv_tier_evictions", "counter", "Entries a tier evicted.", "evictions"),
+    ("kv_tier_bytes_read", "counter", "KV bytes copied out of a tier (memory: into the engine; disk: into memory).",
+     "bytes_read"),
+    ("kv_tier_bytes_written", "counter", "KV bytes copied into a tier (memory: exports and disk reads; disk: "
+     "spills).", "bytes_written"),
+    ("kv_tier_bytes_used", "gauge", "Bytes a tier holds.", "bytes_used"),
+    ("kv_tier_budget_bytes", "gauge", "Bytes a tier may hold.", "budget_bytes"),
+    ("kv_tier_entries", "gauge", "Entries a tier holds.", "entries"),
+)
+
 # Each tenant's part of the host: (name, kind, help, TenantStats field), labelled by tenant.
 TENANT_SERIES = (
     ("tenant_sessions", "gauge", "Sessions a tenant holds.", "sessions"),
@@ -91,6 +107,9 @@ class _HostCollector:
         may exist: the server binds its port before the model loads)."""
         for name, kind, help_text, _ in HOST_SERIES:
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text)
+        for name, kind, help_text, _ in TIER_SERIES:
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
+                                                                                     labels=("tier",))
         yield from self._grammar_series(0, 0)
 
     @staticmethod
@@ -107,6 +126,12 @@ class _HostCollector:
         for name, kind, help_text, field in HOST_SERIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"superfluid_{name}", help_text, value=getattr(self.stats, field))
+        for name, kind, help_text, field in TIER_SERIES:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"superfluid_{name}", help_text,
+                                                                                      labels=("tier",))
+            for tier, stats in sorted(self.stats.tiers.items()):
+                family.add_metric([tier], getattr(stats, field))
+            yield family
         if self.grammars is not None:
             yield from self._grammar_series(self.grammars.hits, self.grammars.misses)
 

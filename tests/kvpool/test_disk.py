@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool import DataCorrupt, EntryBusy, KVArray, PoolBusy, PoolError, disk_format
+from kvpool import DataCorrupt, EntryBusy, KVArray, PoolError, disk_format
 from kvpool.disk import DiskTier, default_budget
 from tests.kvpool import disk_crash_writer as crash
 

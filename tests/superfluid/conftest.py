@@ -3,6 +3,8 @@
 import pytest
 
 from engines import registry
+from kvpool import places
+from kvpool.disk import remove_tier
 from superfluid import Host
 from tests.gate import Gate
 from tests.conftest import remove_segment, unique_pool_name
@@ -58,6 +60,7 @@ def open_host(runtime, model_for, tmp_path, clock):
         host.close()
     for chosen in names:
         remove_segment(chosen)
+        remove_tier(places.disk_folder(chosen))
 
 
 @pytest.fixture

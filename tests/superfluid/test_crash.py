@@ -41,23 +41,48 @@ def test_a_killed_host_resumes_every_session_at_its_last_committed_token(open_ho
     assert len(tokens) - parked <= 16 + 1
 
 
-def test_without_the_segment_the_log_is_prefilled_again(open_host, runtime, model_for, tmp_path):
+def test_after_a_reboot_a_session_resumes_from_the_disk_tier(open_host, runtime):
+    from tests.conftest import remove_segment
+
+    name = f"crash-reboot-{os.getpid()}-{runtime}"
+    host = open_host(pool_name=name, checkpoint_tokens=8)
+    session = host.session()
+    session.append_text("The capital of France is Paris.")
+    session.complete(max_tokens=20)
+    tokens, parked = session.tokens, session.info().parked_tokens
+    host.close()  # parks every lane; the disk tier writes what is queued before it closes
+    remove_segment(name)  # the machine rebooted: shared memory is gone, the disk is not
+    again = open_host(pool_name=name)
+    again.pool.disk.wait_scanned(30)
+    resumed = again.session(id=session.id)
+    generation = resumed.generate(max_tokens=2)
+    generation.collect()
+    # close parked the whole lane (past the last checkpoint): all of it came back but the last
+    # token, whose logits the next step needs
+    assert generation.cached_tokens == len(tokens) - 1 > parked
+    stats = again.stats()
+    assert stats.prefill_tokens == 1 and stats.tiers["disk"].hits == 1 and stats.tiers["memory"].misses == 1
+    assert stats.tiers["disk"].bytes_read > 0 and stats.tiers["memory"].bytes_written >= stats.tiers["disk"].bytes_read
+
+
+def test_without_the_segment_or_a_disk_tier_the_log_is_prefilled_again(open_host, runtime):
     from tests.conftest import remove_segment
 
     name = f"crash-gone-{os.getpid()}-{runtime}"
-    host = open_host(pool_name=name, checkpoint_tokens=8)
+    host = open_host(pool_name=name, checkpoint_tokens=8, disk_tier=False)
     session = host.session()
     session.append_text("The capital of France is Paris.")
     session.complete(max_tokens=20)
     tokens = session.tokens
     host.close()
     remove_segment(name)  # the machine rebooted: shared memory is gone
-    again = open_host(pool_name=name)
+    again = open_host(pool_name=name, disk_tier=False)
     resumed = again.session(id=session.id)
     assert resumed.tokens == tokens
     generation = resumed.generate(max_tokens=2)
     generation.collect()
     assert generation.cached_tokens == 0 and again.stats().prefill_tokens == len(tokens)
+    assert again.pool.disk is None and set(again.stats().tiers) == {"memory"}
 
 
 def test_a_log_damaged_in_the_middle_keeps_the_host_from_starting_and_says_what_to_do(open_host, tmp_path):
