@@ -410,6 +410,25 @@ class DiskTier:
             self._counters.erased += len(doomed)
             return len(doomed)
 
+    def remove_unreadable(self) -> int:
+        """Remove the files of another format version (gc); how many."""
+        with self._lock:
+            names = list(self._unreadable)
+            for name in names:
+                del self._unreadable[name]
+                _unlink(self._path(name))
+            return len(names)
+
+    def erase_other_identities(self, identity: str) -> int:
+        """Remove every entry that `identity` did not write (gc of a model no longer served);
+        how many. Files not yet scanned are read first."""
+        self.scan_now()
+        with self._lock:
+            others = [r for r in self._records.values() if r.header.identity != identity]
+            for record in others:
+                self._remove(record)
+            return len(others)
+
     def _add(self, record: DiskRecord) -> None:
         self._records[record.id] = record
         self._by_name[record.name] = record.id

@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          f"{MAX_AUTO_POOL_BYTES >> 30}G)")
     flag("--export-budget", type=size, help="bytes of KV the pool may hold (default: computed from the pool's size "
          "and the memory available)")
+    flag("--disk-tier", type=_yes_no, nargs="?", const=True, default=True, help="keep parked KV on disk too, "
+         "so it outlives the pool's budget, a restart and a reboot (default: yes; --disk-tier no turns it off)")
+    flag("--disk-budget", type=size, help="bytes the disk tier may hold, a hard limit (default: a tenth of its file "
+         "system, at most half of the space free on it)")
+    flag("--disk-dir", type=Path, help="the disk tier's folder (default: disk/<pool name> under $XDG_CACHE_HOME/"
+         "superfluid; one folder per pool)")
     flag("--log-dir", type=Path, help="the session log's directory (default: sessions/<pool name> under "
          "$XDG_CACHE_HOME/superfluid)")
     flag("--log-level", default="info", choices=LOG_LEVELS, help="what goes to stderr: info logs a line per "
@@ -289,7 +295,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                            decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
                            first_token_target=args.first_token_target, decode_step_target=args.decode_step_target,
                            max_sessions=args.max_sessions, max_messages=args.max_messages,
-                           session_expiry_seconds=args.session_expiry_seconds,
+                           session_expiry_seconds=args.session_expiry_seconds, disk_tier=args.disk_tier,
+                           disk_budget=args.disk_budget, disk_dir=args.disk_dir,
                            **{f"{runtime}_{k}": v for k, v in options.items()})
     except BaseException as exc:  # noqa: BLE001 - each failure is answered with its line and code
         if server is not None:
@@ -440,7 +447,13 @@ def start_lines(host: Host, runtime: str, pool_bytes: int, pool_reason: str) -> 
     budget = (f"pool: {size / 2**20:,.0f} MiB ({pool_reason}), up to "
               f"{kv['pool_budget_bytes'] / 2**20:,.0f} MiB of KV kept beyond the cells ({kv['pool_tokens']:,} tokens), "
               f"{host.pool.header.budget_reason}; --pool-bytes and --export-budget set it")
-    return [cells, session, budget]
+    disk = host.pool.disk_stats()
+    if disk is None:
+        return [cells, session, budget, "disk tier: off (--disk-tier no); parked KV lives only in the pool's memory"]
+    tier = (f"disk tier: {disk.folder}, up to {disk.budget_bytes / 2**30:,.1f} GiB "
+            f"({disk.budget_bytes // max(1, kv['cell_bytes']):,} tokens), {disk.bytes_used / 2**20:,.0f} MiB held; "
+            "--disk-budget and --disk-dir set it")
+    return [cells, session, budget, tier]
 
 
 def open_file_limit(connections: int) -> int:

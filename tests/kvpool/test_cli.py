@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from kvpool import segment
+import msgspec
+
+from kvpool import disk_format, segment
 
 OWNER = ("import sys; import numpy as np; from kvpool import Pool, Budget, KVArray;"
          "p = Pool.create(sys.argv[1], 1 << 20, budget=Budget(1 << 20, None, 't'));"
@@ -92,3 +94,53 @@ def test_superfluid_pool_command(owned_pool):
     done = subprocess.run([sys.executable, "-m", "superfluid.cli.main", "pool", "ls"], capture_output=True, text=True)
     assert done.returncode == 0 and f"alive pid {child.pid}" in _line(done.stdout, name)
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "superfluid"))
+
+
+def _disk_tier_with(folder, identities):
+    """A closed disk tier in `folder` holding one entry per identity, a torn file and a file of
+    another format version."""
+    from kvpool.disk import DiskTier
+    from tests.kvpool import disk_crash_writer as crash
+
+    with DiskTier(folder, 64 << 20, headroom=0, scan=False) as tier:
+        for seed, identity in enumerate(identities):
+            header = msgspec.structs.replace(crash.header(seed), identity=identity)
+            tier.write(header, crash.token_ids(seed), [crash.cells(seed)])
+    (folder / "torn.kv.partial").write_bytes(b"half")
+    newer = msgspec.structs.replace(crash.header(9), version=99)
+    disk_format.write(str(folder / "newer.kv"), newer, [crash.cells(9)], crash.token_ids(9))
+
+
+def test_disk_ls_gc_and_rm_list_clean_and_remove_a_pools_disk_tier(pool_name, monkeypatch, tmp_path):
+    monkeypatch.setenv("SUPERFLUID_DISK_TIERS", str(tmp_path))
+    folder = tmp_path / pool_name
+    _disk_tier_with(folder, ["model-a", "model-a", "model-b"])
+    listed = kvpool("disk", "ls")
+    assert listed.returncode == 0, listed.stderr
+    row = _line(listed.stdout, pool_name)
+    assert "model-a (2), model-b (1), 1 of another format" in row and " no " in row
+    assert not (folder / "torn.kv.partial").exists()  # the scan removed what a crash left
+    cleaned = kvpool("disk", "gc", "--keep-identity", "model-a")
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert f"{pool_name}: 2 file(s) removed; 2 entries" in cleaned.stdout  # the other format, model-b's
+    assert sorted(p.suffix for p in folder.iterdir() if p.name != ".lock") == [".kv", ".kv"]
+    removed = kvpool("rm", pool_name)
+    assert removed.returncode == 0 and "of its disk tier" in removed.stdout, removed.stderr
+    assert not folder.exists()
+    again = kvpool("rm", pool_name)
+    assert again.returncode == 1 and "no segment and no disk tier" in again.stderr
+
+
+def test_disk_gc_leaves_a_tier_in_use_to_its_owner(pool_name, monkeypatch, tmp_path):
+    from kvpool.disk import DiskTier
+
+    monkeypatch.setenv("SUPERFLUID_DISK_TIERS", str(tmp_path))
+    folder = tmp_path / pool_name
+    _disk_tier_with(folder, ["model-a"])
+    with DiskTier(folder, 64 << 20, headroom=0):
+        cleaned = kvpool("disk", "gc", "--keep-identity", "model-b")
+        assert "in use: left to its owner" in cleaned.stdout
+        assert "yes" in _line(kvpool("disk", "ls").stdout, pool_name)
+        busy = kvpool("rm", pool_name)
+        assert busy.returncode == 1 and "open in another process" in busy.stderr
+    assert len(list(folder.glob("*.kv"))) == 2
