@@ -85,10 +85,12 @@ class Served:
             self.stop()
             raise
 
-    def restart(self) -> None:
+    def restart(self, between: Callable[[], None] = lambda: None) -> None:
         """Stop it (SIGTERM) and start the same command again, keeping what it keeps beyond its
-        process (ours: the session log and the KV pool in shared memory)."""
+        process (ours: the session log, the KV pool in shared memory and its disk tier), less
+        what `between` removes while it is down (a reboot: the pool's segment, the page cache)."""
         end(self.process)
+        between()
         self._launch()
 
     def exact(self, max_tokens: int) -> dict:
@@ -175,7 +177,8 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
     (None: serve's default, sized from memory), on a pool (`pool`, default one named for this
     process; sized as serve sizes it unless `extra` says --pool-bytes) and log of its own, with
     `extra` flags."""
-    from kvpool import segment
+    from kvpool import places, segment
+    from kvpool.disk import remove_tier
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
@@ -194,6 +197,8 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
     def cleanup() -> None:
         if pool in segment.list_pool_names():
             segment.unlink(pool)
+        if "--disk-dir" not in extra:  # (a benchmark that names the folder removes it)
+            remove_tier(places.disk_folder(pool))
 
     return Served(OURS, argv, port, counts, cleanup)
 

@@ -9,7 +9,7 @@ once and finds its disk entries as the scan reaches them.
 
 The budget is hard: an entry is written only once the tier has made room for it, evicting
 entries cheapest per byte first (recompute cost over the bytes they hold, then least recently
-used), and only entries worth less per byte than the one arriving; otherwise it is refused. A
+used), and only entries worth no more per byte than the one arriving; otherwise it is refused. A
 write also keeps `headroom` bytes of the file system free (the session log and everything else
 on the disk need them): one that would not is refused, and one that fails anyway (the disk
 filled meanwhile) leaves no file and costs only that entry.
@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -112,6 +113,15 @@ class DiskRecord:
         h = self.header
         return DiskEntryInfo(self.id, self.name, h.identity, h.namespace, h.tag, h.live, self.file_bytes,
                              h.recompute_cost, h.created_at)
+
+
+class PendingWrite(NamedTuple):
+    """A file written but not yet flushed and named (`DiskTier.begin`, then `finish`)."""
+
+    name: str
+    header: DiskHeader
+    tokens: np.ndarray
+    file_bytes: int
 
 
 @dataclass
@@ -244,15 +254,17 @@ class DiskTier:
             found = self._index.longest(prefix_space(identity, namespace), tokens, serves=serves)
         return None if found is None else PrefixMatch(found.entry_id, found.tokens, on_disk=True)
 
-    def find_copy(self, identity: str, namespace: str, tokens: np.ndarray, data_checksum: int) -> int | None:
-        """The id of an entry holding exactly these tokens and bytes, if the tier has one (an
-        entry a pool had written before it was re-attached)."""
+    def find_copy(self, identity: str, namespace: str, tag: str, tokens: np.ndarray, data_checksum: int) -> int | None:
+        """The id of an entry holding exactly these tokens and bytes under this tag, if the tier
+        has one (an entry a pool had written before it was re-attached; another tag's copy is not
+        one: it is erased with its own owner)."""
         with self._lock:
             found = self._index.longest(prefix_space(identity, namespace), tokens)
             if found is None or found.tokens != len(tokens):
                 return None
             record = self._records[found.entry_id]
-            same = record.header.live == len(tokens) and record.header.data_checksum == data_checksum
+            same = (record.header.live == len(tokens) and record.header.data_checksum == data_checksum
+                    and record.header.tag == tag)
             return record.id if same else None
 
     def wait_scanned(self, timeout: float | None = None) -> bool:
@@ -286,6 +298,13 @@ class DiskTier:
         for it; its disk id, or None when it was refused (worth less per byte than everything it
         would displace, or the disk too full) or the write failed. The runs are read while this
         runs: the caller keeps them in place until it returns."""
+        pending = self.begin(header, tokens, runs)
+        return None if pending is None else self.finish(pending)
+
+    def begin(self, header: DiskHeader, tokens: np.ndarray, runs: Iterable[np.ndarray]) -> PendingWrite | None:
+        """The first half of `write`: room made, the file written into the page cache under a
+        temporary name (a copy; nothing waits for the device); `finish` flushes and indexes it.
+        None when refused or failed, as `write`."""
         size = disk_format.predicted_size(header)
         value = eviction.value_per_byte(eviction.Candidate(0, size, header.recompute_cost, 0))
         with self._lock:
@@ -295,26 +314,38 @@ class DiskTier:
             name = f"{time.time_ns():x}-{secrets.token_hex(4)}"
             self._writing[name] = size
         try:
-            written = disk_format.write(str(self._path(name)), header, runs, tokens, self._stage)
+            written = disk_format.write_partial(str(self._path(name)), header, runs, tokens, self._stage)
         except OSError:
-            with self._lock:
-                self._writing.pop(name, None)
-                self._counters.write_failures += 1
+            self._failed(name)
+            return None
+        return PendingWrite(name, header, np.array(tokens, dtype=np.int32), written)
+
+    def finish(self, pending: PendingWrite) -> int | None:
+        """The second half of `write`: the file flushed to the device, named and indexed; its
+        disk id (None when the flush failed: the file is removed)."""
+        try:
+            disk_format.seal(str(self._path(pending.name)), self._stage)
+        except OSError:
+            self._failed(pending.name)
             return None
         with self._lock:
-            self._writing.pop(name, None)
-            record = DiskRecord(next(self._ids), name, header, np.array(tokens, dtype=np.int32), written,
+            self._writing.pop(pending.name, None)
+            record = DiskRecord(next(self._ids), pending.name, pending.header, pending.tokens, pending.file_bytes,
                                 next(self._clock))
             self._add(record)
             self._counters.writes += 1
-            self._counters.bytes_written += written
-            if self._closed:
-                return None
+            self._counters.bytes_written += pending.file_bytes
             return record.id
 
+    def _failed(self, name: str) -> None:
+        with self._lock:
+            self._writing.pop(name, None)
+            self._counters.write_failures += 1
+
     def _make_room(self, size: int, value: float) -> bool:
-        """Evict entries worth less per byte than `value` until `size` more bytes fit the budget;
-        nothing is evicted unless that is enough. Files of another format go first."""
+        """Evict entries worth no more per byte than `value` (the arriving entry is the newest
+        among equals) until `size` more bytes fit the budget; nothing is evicted unless that is
+        enough. Files of another format go first."""
         need = self._bytes_used() + size - self.budget_bytes
         if need <= 0:
             return True
@@ -323,7 +354,7 @@ class DiskTier:
         order = [c for c in eviction.ranked(eviction.Candidate(r.id, r.file_bytes, r.header.recompute_cost,
                                                                r.last_used)
                                             for r in self._records.values() if not r.readers and not r.doomed)
-                 if eviction.value_per_byte(c) < value]
+                 if eviction.value_per_byte(c) <= value]  # (among equals the arriving one is the newest)
         if sum(self._unreadable.values()) + sum(c.stored_bytes for c in order) < need:
             return False
         for name in list(self._unreadable):

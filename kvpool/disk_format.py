@@ -89,6 +89,15 @@ def write(path: str, header: DiskHeader, runs: Iterable[np.ndarray], tokens: np.
     """Write one entry to `path` crash-consistently (see the module docstring); the file's bytes.
     `stage(name)` is called between the steps ("data", "tokens", "header", "synced", "renamed"):
     tests kill the process there. OSError (a full disk, say) leaves no file behind."""
+    total = write_partial(path, header, runs, tokens, stage)
+    seal(path, stage)
+    return total
+
+
+def write_partial(path: str, header: DiskHeader, runs: Iterable[np.ndarray], tokens: np.ndarray,
+                  stage: Callable[[str], None] = NO_STAGE) -> int:
+    """The first half of `write`: the whole file under its `.partial` name, in the page cache (a
+    copy, no wait for the device); `seal` makes it an entry. OSError leaves no file behind."""
     partial = path + PARTIAL
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -106,16 +115,30 @@ def write(path: str, header: DiskHeader, runs: Iterable[np.ndarray], tokens: np.
         total = header.file_length + len(encoded) + TRAILER.size
         trailer = TRAILER.pack(MAGIC, len(encoded), xxhash.xxh3_64_intdigest(encoded), total)
         _write_all(fd, np.frombuffer(trailer, np.uint8))
-        os.fsync(fd)  # whole on the device before it has the name a scan trusts
-        stage("synced")
     except BaseException:
-        os.close(fd)
         _remove_quietly(partial)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
+    return total
+
+
+def seal(path: str, stage: Callable[[str], None] = NO_STAGE) -> None:
+    """The second half of `write`: flush the `.partial` file to the device, then give it the name
+    a scan trusts. OSError removes it."""
+    partial = path + PARTIAL
+    try:
+        fd = os.open(partial, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)  # whole on the device before it has the name a scan trusts
+        finally:
+            os.close(fd)
+        stage("synced")
+    except BaseException:
+        _remove_quietly(partial)
+        raise
     os.rename(partial, path)
     stage("renamed")
-    return total
 
 
 def _write_all(fd: int, array: np.ndarray) -> int:

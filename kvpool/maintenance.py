@@ -90,7 +90,7 @@ class Compacting:
                     break
                 record = self._entries[entry_id]
                 freed += record.stored_bytes
-                self._evict(record)
+                self._evict_for_room(record)
             return freed
 
     def usage(self) -> tuple[int, int]:

@@ -427,7 +427,7 @@ class Pool(Compacting, Tiered):
                 victims.reverse()  # pop() from the end takes the first to evict
             if not victims:
                 return None
-            self._evict(self._entries[victims.pop()])
+            self._evict_for_room(self._entries[victims.pop()])
 
     def _place(self, data_length: int, meta_length: int) -> tuple[int, int, int] | None:
         """A slot and both extents, defragmenting if the free space is there but split; or None."""
@@ -496,6 +496,11 @@ class Pool(Compacting, Tiered):
     def _count_read(self, nbytes: int) -> None:
         with self._lock:
             self._counters.bytes_read += nbytes
+
+    def _evict_for_room(self, record: EntryRecord) -> None:
+        """Evict `record` because the budget needs its room: the disk tier keeps it."""
+        self._keep_on_disk(record)
+        self._evict(record)
 
     def _evict(self, record: EntryRecord) -> None:
         del self._entries[record.id]

@@ -20,7 +20,7 @@ import collections
 import threading
 
 from kvpool import disk_format, layout as layouts
-from kvpool.disk import DiskStats, DiskTier
+from kvpool.disk import DiskStats, DiskTier, PendingWrite
 from kvpool.entry import EntryInfo, EntryRecord
 from kvpool.errors import EntryNotFound, PoolError
 from kvpool.layout import ArrayLayout
@@ -31,6 +31,7 @@ class Tiered:
     """Pool methods that keep entries on a disk tier behind the memory."""
 
     _disk: DiskTier | None = None
+    _sealing: EntryRecord | None = None  # evicted, its file being flushed by the writer
 
     def attach_disk(self, tier: DiskTier) -> None:
         """Keep this pool's entries on `tier` too, from now on; every ready entry is queued for it
@@ -41,6 +42,7 @@ class Tiered:
                 raise PoolError(f"pool {self.name!r} already has a disk tier ({self._disk.folder})")
             self._disk = tier
             self._spill_queue: collections.deque[int] = collections.deque(sorted(self._entries))
+            self._seal_queue: collections.deque[tuple[PendingWrite, EntryRecord]] = collections.deque()
             self._spill_wake = threading.Condition(self._lock)
             self._spill_stop = False
             self._spill_busy = False
@@ -62,7 +64,7 @@ class Tiered:
         with self._lock:
             if self._disk is None:
                 return True
-            return self._spill_wake.wait_for(lambda: not self._spill_queue and not self._spill_busy, timeout)
+            return self._spill_wake.wait_for(self._spilled, timeout)
 
     def load(self, disk_id: int, identity: str) -> EntryInfo | None:
         """Read disk entry `disk_id` into a new memory entry held once by the caller (release it),
@@ -95,9 +97,10 @@ class Tiered:
         keep such entries in memory from being written to it again: what deleting their owner
         erases. Memory entries stay, evictable, as before. The disk entries removed."""
         with self._lock:
-            for record in self._entries.values():
+            sealing = [record for _, record in self._seal_queue] if self._disk is not None else []
+            for record in [*self._entries.values(), *sealing, *([self._sealing] if self._sealing else [])]:
                 if record.header.tag == tag and (namespace is None or record.header.namespace == namespace):
-                    record.erased = True
+                    record.erased = True  # (one evicted while its file is flushed is removed after)
         return 0 if self._disk is None else self._disk.erase(tag=tag, namespace=namespace)
 
     # ----------------------------------------------------------------------------- pool hooks
@@ -120,6 +123,26 @@ class Tiered:
             self._spill_queue.append(record.id)
             self._spill_wake.notify_all()
 
+    def _spilled(self) -> bool:
+        """Nothing queued for the writer, and nothing being written (under the lock)."""
+        return not self._spill_queue and not self._seal_queue and not self._spill_busy
+
+    def _keep_on_disk(self, record: EntryRecord) -> None:
+        """Before memory evicts `record` to make room (under the pool's lock): if the disk tier
+        has no copy yet (the writer had not reached it), write one now into the page cache (one
+        copy; the writer flushes and names it), so an entry evicted under pressure stays on disk
+        instead of being dropped."""
+        if (self._disk is None or record.erased or self._spill_stop or record.extending
+                or self._kept_below(record)):
+            return
+        header = record.header
+        data, tokens = self._store.data(header), self._store.tokens(header)
+        pending = self._disk.begin(_disk_header(record, header, tokens), tokens,
+                                   layouts.all_live_runs(data, record.layout, header.live))
+        if pending is not None:
+            self._seal_queue.append((pending, record))
+            self._spill_wake.notify_all()
+
     def _forget_disk_copy(self, record: EntryRecord) -> None:
         """An entry's cells changed (an extension): its disk copy is not them any more."""
         if record.disk_id is not None and self._disk is not None:
@@ -132,7 +155,7 @@ class Tiered:
         if self._disk is None:
             return
         with self._lock:
-            self._spill_wake.wait_for(lambda: not self._spill_queue and not self._spill_busy)
+            self._spill_wake.wait_for(self._spilled)
             self._spill_stop = True
             self._spill_wake.notify_all()
         self._spiller.join()
@@ -144,9 +167,22 @@ class Tiered:
             with self._lock:
                 self._spill_busy = False
                 self._spill_wake.notify_all()
-                self._spill_wake.wait_for(lambda: self._spill_queue or self._spill_stop)
+                self._spill_wake.wait_for(lambda: self._spill_queue or self._seal_queue or self._spill_stop)
                 if self._spill_stop:
                     return
+                if self._seal_queue:
+                    pending, self._sealing = self._seal_queue.popleft()
+                    self._spill_busy = True
+                else:
+                    pending = None
+            if pending is not None:  # written as its entry was evicted: flush and name it
+                disk_id = self._disk.finish(pending)
+                with self._lock:
+                    if disk_id is not None and self._sealing.erased:
+                        self._disk.remove(disk_id)
+                    self._sealing = None
+                continue
+            with self._lock:
                 record = self._entries.get(self._spill_queue.popleft())
                 if record is None or record.disk_id is not None or record.erased or record.extending:
                     continue
@@ -155,7 +191,8 @@ class Tiered:
                 header = record.header
                 data, tokens = self._store.data(header), self._store.tokens(header)
             try:
-                disk_id = self._disk.find_copy(header.identity, header.namespace, tokens, header.data_checksum)
+                disk_id = self._disk.find_copy(header.identity, header.namespace, header.tag, tokens,
+                                               header.data_checksum)
                 if disk_id is None:
                     disk_id = self._disk.write(_disk_header(record, header, tokens), tokens,
                                                layouts.all_live_runs(data, record.layout, header.live))

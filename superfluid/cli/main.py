@@ -1,5 +1,5 @@
 """The `superfluid` command: `serve`, `runtimes`, `runtime options|versions|install`, `compat`,
-`pool ls | gc | rm`, `log check | repair` and `demo`. Exit codes: 0 normal, 1 runtime failure, 2 usage error, 3 the
+`pool ls | gc | rm | disk ls | disk gc`, `log check | repair` and `demo`. Exit codes: 0 normal, 1 runtime failure, 2 usage error, 3 the
 model failed to load, 4 the runtime cannot run here.
 
 MLX on a Linux CPU needs OpenBLAS loaded before MLX is (engines/mlx/blas.py). The adapter does
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime_commands.add_arguments(runtime_parser)
     compat = commands.add_parser("compat", help="what this release was built and tested against")
     compat.add_argument("--json", action="store_true")
-    commands.add_parser("pool", help="this user's pool segments: ls | gc | rm NAME", add_help=False)
+    commands.add_parser("pool", help="this user's pools and disk tiers: ls | gc | rm NAME | disk ls | disk gc",
+                        add_help=False)
     log = commands.add_parser("log", help="a session log: check | repair [DIR]")
     log_commands.add_arguments(log)
     commands.add_parser("demo", help="a tour of the shared-memory KV pool")

@@ -10,9 +10,14 @@ from urllib.parse import urlparse
 
 import openai
 
+from kvpool import places
+from kvpool.disk import remove_tier
 from tests.conftest import remove_segment, unique_pool_name
 
 ROOT = Path(__file__).resolve().parents[2]
+# superfluid's variables a server gets from the tests: the cache (models), and the folder of this
+# run's disk tiers (tests/conftest.py)
+PASSED_ON = ("SUPERFLUID_CACHE", "SUPERFLUID_DISK_TIERS")
 
 
 class Served:
@@ -24,6 +29,7 @@ class Served:
         can be compared token for token across batch shapes and restarts. `environment`: variables
         the server gets besides this process's (those starting SUPERFLUID_ are not passed on)."""
         self.pool = pool or unique_pool_name()  # the log lives beside it: the same pool means a restart
+        self.keeps_tier = False  # a test restarting the server on its disk tier sets it
         self.log_dir = tmp_path / f"log-{self.pool}"
         # stderr (a line per request) goes to a file: a pipe nobody reads would fill and stall the server
         self.stderr_path = tmp_path / f"serve-{self.pool}-{os.getpid()}-{id(self)}.err"
@@ -35,7 +41,7 @@ class Served:
                  *(["--llamacpp-flash-attn", "false"] if exact and not Path(model).is_dir() else []),
                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 env={**{k: v for k, v in os.environ.items()
-                        if not k.startswith("SUPERFLUID_") or k == "SUPERFLUID_CACHE"}, **(environment or {})})
+                        if not k.startswith("SUPERFLUID_") or k in PASSED_ON}, **(environment or {})})
         try:
             line = self.process.stdout.readline()
             assert " on http://" in line, f"the server did not start: {line!r} {self.stderr()[-2000:]}"
@@ -83,4 +89,6 @@ class Served:
             self.process.kill()
             code = self.process.wait()
         remove_segment(self.pool)
+        if not self.keeps_tier:
+            remove_tier(places.disk_folder(self.pool))
         return code

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool import places
+from kvpool.disk import remove_tier
 from superfluid import Host
 from superfluid.host.churn import Churn
 from tests import memorykinds, tinymodels
@@ -72,6 +74,7 @@ def open_host(models, case, mode, tmp_path):
         host.close()
     for pool in pools.values():
         remove_segment(pool)
+        remove_tier(places.disk_folder(pool))
 
 
 def greedy(session, count: int = 8) -> list[int]:
@@ -176,3 +179,37 @@ def test_a_restart_resumes_where_it_was(open_host, cold):
     more = greedy(again.session(id="s"), 4)
     assert again.stats().prefill_tokens - before.prefill_tokens <= 4  # restored from the pool
     assert first + more == cold(PROMPT)
+
+
+def test_after_a_reboot_a_session_resumes_from_the_disk_tier_where_it_was(models, case, tmp_path, cold):
+    # The segment is removed between the two hosts, as a reboot removes shared memory: the KV
+    # comes back from the disk tier (checkpoints of windowed and recurrent memory included), and
+    # what follows equals a cold run.
+    runtime, kind = case
+    model = models[kind][0] if runtime == "llamacpp" else models[kind][1]
+    options = {"llamacpp_n_ctx": 512, "llamacpp_threads": 1} if runtime == "llamacpp" else {}
+    pool = unique_pool_name()
+    opened = []
+
+    def open_host() -> Host:
+        opened.append(Host(model, runtime=runtime, pool_name=pool, pool_bytes=32 << 20, log_dir=tmp_path / "log",
+                           prefill_budget=32, checkpoint_tokens=16, **FIXED_CHUNKS, **options))
+        return opened[-1]
+
+    try:
+        session = open_host().session(id="s", temperature=0.0)
+        session.append_tokens(PROMPT)
+        first = greedy(session, 4)
+        opened[0].close()
+        remove_segment(pool)
+        again = open_host()
+        assert again.pool.disk.wait_scanned(60)
+        more = greedy(again.session(id="s"), 4)
+        stats = again.stats()
+        assert stats.tiers["disk"].hits == 1 and stats.prefill_tokens <= 4  # from disk, not prefilled
+        assert first + more == cold(PROMPT)
+    finally:
+        for host in opened:
+            host.close()
+        remove_segment(pool)
+        remove_tier(places.disk_folder(pool))

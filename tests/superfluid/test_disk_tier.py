@@ -1,0 +1,165 @@
+"""The Host and serve with their disk tier: sessions resumed from disk once memory is gone, deleted
+and expired sessions erased from it, a budget held under many parks, and a start-up scan that no
+answer waits for. (The tier's own files, crashes and budget: tests/kvpool/test_disk.py; every
+memory kind after a reboot: test_memory_kinds_host.py.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from kvpool import places, segment
+from kvpool.disk import DiskTier, remove_tier
+from tests.conftest import remove_segment, unique_pool_name
+from tests.superfluid.served import Served
+from tests.superfluid.test_limits import idle_rounds_until
+
+TEXT = "The capital of France is Paris. The capital of Italy is Rome."
+
+
+def parked_on_disk(host) -> list:
+    """The disk tier's entries once everything the pool queued is written."""
+    assert host.pool.wait_spilled(60)
+    return host.pool.disk.entries()
+
+
+def test_sessions_past_the_pools_budget_come_back_from_disk(open_host, runtime):
+    host = open_host(pool_bytes=4 << 20, export_budget=160 << 10)  # about four sessions' KV (~37 KB each)
+    sessions = []
+    for i in range(12):
+        session = host.session()
+        session.append_text(f"{i}: {TEXT * 4}")
+        session.complete(max_tokens=4)
+        sessions.append((session, list(session.tokens)))
+    host.close()  # every lane parked: the pool keeps what its budget holds, the disk all of them
+    again = open_host()
+    assert again.pool.disk.wait_scanned(60)
+    assert again.pool.stats().entries < 12 <= len(again.pool.disk.entries())
+    for session, tokens in sessions:
+        resumed = again.session(id=session.id)
+        generation = resumed.generate(max_tokens=1)
+        generation.collect()
+        assert generation.cached_tokens == len(tokens) - 1  # nothing prefilled but the last token
+    tiers = again.stats().tiers
+    assert tiers["disk"].hits >= 12 - again.pool.stats().entries and tiers["disk"].misses == 0
+
+
+def test_deleting_or_expiring_a_session_erases_it_from_disk_and_retiring_keeps_it(open_host, clock):
+    host = open_host(session_expiry_seconds=100)
+    kept, deleted, expired, retired = (host.session() for _ in range(4))
+    for session in (kept, deleted, expired, retired):
+        session.append_text(TEXT)
+        session.complete(max_tokens=2)
+    clock.advance(6)  # past idle_park_seconds: the idle lanes are parked, and so written to disk
+    idle_rounds_until(host, lambda: host.stats().lanes == 0)
+    tags = {e.tag for e in parked_on_disk(host)}
+    assert {f"session:{s.id}" for s in (kept, deleted, expired, retired)} <= tags
+    host.delete(deleted.id)
+    host.retire(retired.id)
+    clock.advance(50)
+    kept.append_text(" More.")  # a change: kept's idle time starts again
+    clock.advance(60)
+    idle_rounds_until(host, lambda: host.stats().expired_sessions >= 1)
+    assert host.stats().expired_sessions == 1
+    tags = {e.tag for e in parked_on_disk(host)}
+    assert f"session:{deleted.id}" not in tags and f"session:{expired.id}" not in tags
+    assert f"session:{kept.id}" in tags and f"session:{retired.id}" in tags  # retired: cached for its prefix
+    assert host.pool.disk_stats().erased >= 2
+
+
+def test_the_disk_budget_holds_under_a_stream_of_parks(open_host, clock):
+    host = open_host(disk_budget=1 << 30)
+    assert host.pool.disk_stats().budget_bytes == 1 << 30
+    budget = host.pool.disk.budget_bytes = 4 * 40 * host.descriptor.cell_price  # four sessions' files, about
+    for i in range(16):
+        session = host.session()
+        session.append_text(f"{i}: {TEXT * 3}")
+        session.complete(max_tokens=2)
+        clock.advance(6)  # its lane idle past idle_park_seconds: parked, and so written to disk
+        idle_rounds_until(host, lambda: host.stats().lanes == 0)
+        assert host.pool.disk_stats().bytes_used <= budget
+    assert host.pool.wait_spilled(60)
+    disk = host.stats().tiers["disk"]
+    assert disk.bytes_used <= budget and disk.budget_bytes == budget and disk.evictions > 0
+
+
+def test_the_start_up_scan_delays_no_answer(open_host, monkeypatch):
+    host = open_host()
+    session = host.session()
+    session.append_text(TEXT)
+    session.complete(max_tokens=2)
+    host.close()
+    scanning, release = threading.Event(), threading.Event()
+    original = DiskTier.scan_now
+
+    def held_scan(self):  # the scan of the next start waits until the test lets it go on
+        if threading.current_thread().name == "kvpool-disk-scan":
+            scanning.set()
+            release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(DiskTier, "scan_now", held_scan)
+    again = open_host()
+    try:
+        assert scanning.wait(60) and again.pool.disk_stats().scanning
+        other = again.session()
+        other.append_text("Hello")
+        assert other.complete(max_tokens=2)  # answered while the scan has not indexed a file
+        assert again.pool.disk_stats().scanning
+    finally:
+        release.set()
+    assert again.pool.disk.wait_scanned(60) and again.pool.disk.entries()
+
+
+def test_after_a_reboot_serve_resumes_a_conversation_from_disk(tiny_models, tmp_path):
+    pool = unique_pool_name()
+    model = tiny_models["f32"].gguf
+    server = Served(model, tmp_path, pool=pool)
+    server.keeps_tier = True
+    try:
+        _, created = post(server, "/v1/sessions", {"messages": [{"role": "user", "content": TEXT}]})
+        post(server, f"/v1/sessions/{created['id']}/generate", {"max_tokens": 4})
+        tokens = post(server, f"/v1/sessions/{created['id']}", method="GET")[1]["tokens"]
+        assert server.stop() == 0  # SIGTERM: every lane parked, the tier's queue written; then
+        assert pool not in segment.list_pool_names()  # the segment removed, as a reboot does
+        again = Served(model, tmp_path, pool=pool)
+        try:
+            wait_for(lambda: disk_series(again, "kv_tier_entries") >= 1)  # the start-up scan found it
+            post(again, f"/v1/sessions/{created['id']}/messages", {"messages": [{"role": "user", "content": "More"}]})
+            status, reply = post(again, f"/v1/sessions/{created['id']}/generate", {"max_tokens": 2})
+            # parked at the stop: all but the last sampled token and the turn's closing marks (not fed yet)
+            assert status == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= tokens - 5
+            assert disk_series(again, "kv_tier_hits_total") == 1
+            assert disk_series(again, "kv_tier_bytes_read_total") > 0
+        finally:
+            assert again.stop() == 0
+    finally:
+        server.stop()
+        remove_segment(pool)
+        remove_tier(places.disk_folder(pool))
+
+
+def post(server, path, payload=None, method="POST"):
+    status, data = server.raw(method, path, json.dumps(payload or {}).encode())
+    return status, json.loads(data)
+
+
+def disk_series(server, name: str) -> float:
+    """The value of superfluid_<name>{tier="disk"} on the server's /metrics."""
+    _, text = server.raw("GET", "/metrics")
+    prefix = f'superfluid_{name}{{tier="disk"}} '
+    for line in text.decode().splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    raise AssertionError(f"no {prefix.strip()} on /metrics")
+
+
+def wait_for(condition, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {seconds} s")
+        time.sleep(0.05)
