@@ -33,7 +33,7 @@ def _gc(args: argparse.Namespace) -> int:
     for info in removed:
         print(f"removed {info.name} ({describe_bytes(info.size)})")
     print(f"{len(removed)} orphaned segment(s) removed")
-    return 0
+    return _disk_gc(args)  # (the disk tiers' files kept as they are: only what is torn or unreadable goes)
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def _disk_ls(args: argparse.Namespace) -> int:
     for tier in tiers:
         models = ", ".join(f"{identity} ({count})" for identity, count in sorted(tier.identities.items()))
         if tier.unreadable:
-            models += f"{', ' if models else ''}{tier.unreadable} of another format"
+            models += f"{', ' if models else ''}{tier.unreadable} unreadable (another format, or damaged)"
         print(f"{tier.name:<24} {'yes' if tier.in_use else 'no':<7} {tier.files:>8} {describe_bytes(tier.bytes):>10}  "
               + (models or ("-" if not tier.in_use else "(its owner's)")))
     return 0
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool", description="superfluid's shared-memory KV pools")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("ls", help="list this user's pool segments: owner, size, entries").set_defaults(run=_ls)
-    commands.add_parser("gc", help="remove segments no live process owns (their entries are lost)").set_defaults(run=_gc)
+    commands.add_parser("gc", help="remove segments no live process owns (their entries are lost from memory), and "
+                        "clean the disk tiers not in use (as `disk gc`)").set_defaults(run=_gc, keep_identity=None)
     rm = commands.add_parser("rm", help="remove one pool by name: its segment and its disk tier")
     rm.add_argument("name")
     rm.add_argument("--force", action="store_true", help="remove it even if a live process owns it")

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import logging
 import os
 import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -34,7 +35,7 @@ import msgspec
 import numpy as np
 
 from kvpool import disk_format, eviction
-from kvpool.disk_format import DiskHeader, FileUnreadable
+from kvpool.disk_format import DiskHeader
 from kvpool.errors import DataCorrupt, EntryNotFound, PoolBusy, PoolError
 from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
 
@@ -43,6 +44,8 @@ BUDGET_FREE_FRACTION = 0.5  # ... and at most half of what is free on it (with w
 HEADROOM_FRACTION = 0.05  # each write leaves this much of the file system free ...
 HEADROOM_MIN, HEADROOM_MAX = 64 << 20, 1 << 30  # ... bounded to these bytes
 LOCK_FILE = ".lock"
+LOCK_TRIES, LOCK_WAIT_SECONDS = 20, 0.05  # a lock held a moment (a listing) is waited for, one held for good is not
+LOG = logging.getLogger("kvpool.disk")
 
 
 def default_budget(folder: str | os.PathLike, held: int = 0) -> int:
@@ -160,8 +163,12 @@ class DiskTier:
         self._closed = False
         self._lock_fd = _open_locked(self.folder)
         try:
-            self._unreadable: dict[str, int] = {}  # files of another format version
+            self._unreadable: dict[str, int] = {}  # files of another format version, or unreadable now
             self._writing: dict[str, int] = {}  # files being written, counted against the budget
+            self._doomed: dict[str, int] = {}  # removed while being read: counted until unlinked
+            # (tag, namespace or None) erased while files may still carry it unindexed: those the
+            # scan has not reached, and those being written; dropped once there are none
+            self._tombstones: set[tuple[str, str | None]] = set()
             self._unscanned = self._list_files()
             held = sum(self._unscanned.values())
             self.budget_bytes = default_budget(self.folder, held) if budget_bytes is None else int(budget_bytes)
@@ -193,32 +200,53 @@ class DiskTier:
 
     def scan_now(self) -> None:
         """Index every file not yet indexed (what the background scan does): a file that is torn
-        or damaged is removed, one of another format version kept as unreadable."""
+        or damaged is removed, one of another format version (or that cannot be read now: a
+        descriptor limit, an I/O error) kept as unreadable; a file of an erased tag is removed.
+        Once every file is indexed, the tier is trimmed to its budget (it may have shrunk)."""
         while not self._stop_scan.is_set():
             with self._lock:
                 if not self._unscanned:
-                    return
+                    break
                 name, size = next(iter(self._unscanned.items()))
             try:
                 record = self._read_record(name)
-            except FileUnreadable:
-                with self._lock:
-                    if self._unscanned.pop(name, None) is not None:
-                        self._unreadable[name] = size
-                continue
-            except (DataCorrupt, OSError):
+            except DataCorrupt:
                 with self._lock:
                     if self._unscanned.pop(name, None) is not None:
                         self._counters.corrupt_found += 1
                         _unlink(self._path(name))
                 continue
+            except Exception:  # another format, or not readable now: kept, never read into an engine
+                with self._lock:
+                    if self._unscanned.pop(name, None) is not None:
+                        self._unreadable[name] = size
+                continue
             with self._lock:
-                if self._unscanned.pop(name, None) is None:  # evicted or erased while read
+                if self._unscanned.pop(name, None) is None:  # evicted while read
+                    continue
+                if self._erased(record.header):
+                    _unlink(self._path(name))
+                    self._counters.erased += 1
                     continue
                 record.id, record.last_used = next(self._ids), next(self._clock)
                 self._add(record)
+        with self._lock:
+            if not self._unscanned and not self._stop_scan.is_set():
+                self._trim()  # within the budget again (it may have shrunk), cheapest per byte first
+                self._prune_tombstones()
+
+    def _erased(self, header: DiskHeader) -> bool:
+        """Whether an entry with `header` was erased (under the lock)."""
+        return ((header.tag, None) in self._tombstones
+                or (header.tag, header.namespace) in self._tombstones)
+
+    def _prune_tombstones(self) -> None:
+        if not self._unscanned and not self._writing:
+            self._tombstones.clear()
 
     def _read_record(self, name: str) -> DiskRecord:
+        """The record of file `name`: DataCorrupt for a torn or damaged one, FileUnreadable for
+        another format version, OSError where it cannot be read now."""
         fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -315,32 +343,47 @@ class DiskTier:
             self._writing[name] = size
         try:
             written = disk_format.write_partial(str(self._path(name)), header, runs, tokens, self._stage)
-        except OSError:
-            self._failed(name)
+        except Exception as exc:  # a full disk, an I/O error (or a bug of ours): only this entry is lost
+            self._failed(name, exc)
             return None
         return PendingWrite(name, header, np.array(tokens, dtype=np.int32), written)
 
     def finish(self, pending: PendingWrite) -> int | None:
         """The second half of `write`: the file flushed to the device, named and indexed; its
-        disk id (None when the flush failed: the file is removed)."""
+        disk id (None when the flush failed, or its tag was erased meanwhile: the file is removed)."""
         try:
             disk_format.seal(str(self._path(pending.name)), self._stage)
-        except OSError:
-            self._failed(pending.name)
+        except Exception as exc:
+            self._failed(pending.name, exc)
             return None
         with self._lock:
             self._writing.pop(pending.name, None)
+            if self._erased(pending.header):
+                _unlink(self._path(pending.name))
+                self._counters.erased += 1
+                self._prune_tombstones()
+                return None
             record = DiskRecord(next(self._ids), pending.name, pending.header, pending.tokens, pending.file_bytes,
                                 next(self._clock))
             self._add(record)
             self._counters.writes += 1
             self._counters.bytes_written += pending.file_bytes
+            self._prune_tombstones()
             return record.id
 
-    def _failed(self, name: str) -> None:
+    def _failed(self, name: str, exc: BaseException) -> None:
+        LOG.warning("disk tier %s: an entry was not written (%s); its KV stays only in memory", self.folder, exc)
         with self._lock:
             self._writing.pop(name, None)
             self._counters.write_failures += 1
+            self._prune_tombstones()
+
+    def _candidates(self, value: float) -> list[eviction.Candidate]:
+        """The entries that may go for an arriving one worth `value` per byte, first to go first
+        (under the lock)."""
+        ranked = eviction.ranked(eviction.Candidate(r.id, r.file_bytes, r.header.recompute_cost, r.last_used)
+                                 for r in self._records.values() if not r.readers)
+        return [c for c in ranked if eviction.value_per_byte(c) <= value]  # (among equals the arriving is newest)
 
     def _make_room(self, size: int, value: float) -> bool:
         """Evict entries worth no more per byte than `value` (the arriving entry is the newest
@@ -351,29 +394,38 @@ class DiskTier:
             return True
         if size > self.budget_bytes:
             return False
-        order = [c for c in eviction.ranked(eviction.Candidate(r.id, r.file_bytes, r.header.recompute_cost,
-                                                               r.last_used)
-                                            for r in self._records.values() if not r.readers and not r.doomed)
-                 if eviction.value_per_byte(c) <= value]  # (among equals the arriving one is the newest)
+        order = self._candidates(value)
         if sum(self._unreadable.values()) + sum(c.stored_bytes for c in order) < need:
             return False
+        self._evict(need, order)
+        return True
+
+    def _trim(self) -> None:
+        """Evict down to the budget, as far as entries not being read allow (under the lock)."""
+        need = self._bytes_used() - self.budget_bytes
+        if need > 0:
+            self._evict(need, self._candidates(float("inf")))
+
+    def _evict(self, need: int, order: list[eviction.Candidate]) -> None:
         for name in list(self._unreadable):
             if need <= 0:
-                break
+                return
             need -= self._unreadable.pop(name)
             _unlink(self._path(name))
             self._counters.evictions += 1
         for candidate in order:
             if need <= 0:
-                break
+                return
             need -= candidate.stored_bytes
             self._counters.evictions += 1
             self._counters.evicted_bytes += candidate.stored_bytes
             self._remove(self._records[candidate.entry_id])
-        return True
 
     def _disk_allows(self, size: int) -> bool:
-        fs = os.statvfs(self.folder)
+        try:
+            fs = os.statvfs(self.folder)
+        except OSError:  # the folder gone or unreadable: nothing can be written there
+            return False
         return fs.f_bavail * fs.f_frsize - size >= self.headroom
 
     # ----------------------------------------------------------------------------- reading
@@ -389,35 +441,44 @@ class DiskTier:
                 raise EntryNotFound(f"no disk entry {disk_id} in {self.folder}")
             record.readers += 1
             record.last_used = next(self._clock)
-        fd = None
         try:
             fd = os.open(self._path(record.name), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:  # removed by hand, or not readable now
+            with self._lock:
+                self._left(record)
+                if isinstance(exc, FileNotFoundError):
+                    self._remove(record)
+            raise EntryNotFound(f"disk entry {disk_id} ({record.name}) cannot be read from {self.folder}: "
+                                f"{exc.strerror}") from None
 
-            def read_into(runs: Iterable[np.ndarray]) -> int:
-                try:
-                    done = disk_format.read_data(fd, record.header, runs, record.name)
-                except DataCorrupt:
-                    with self._lock:
-                        self._counters.corrupt_found += 1
-                        self._remove(record)
-                    raise
+        def read_into(runs: Iterable[np.ndarray]) -> int:
+            try:
+                done = disk_format.read_data(fd, record.header, runs, record.name)
+            except DataCorrupt:
                 with self._lock:
-                    self._counters.loads += 1
-                    self._counters.bytes_read += done
-                return done
+                    self._counters.corrupt_found += 1
+                    self._remove(record)
+                raise
+            except OSError as exc:  # an I/O error: the entry is not read, nothing else changes
+                raise EntryNotFound(f"disk entry {disk_id} ({record.name}) could not be read: {exc.strerror}") from None
+            with self._lock:
+                self._counters.loads += 1
+                self._counters.bytes_read += done
+            return done
 
+        try:
             yield record.header, record.tokens, read_into
-        except FileNotFoundError:
-            with self._lock:
-                self._remove(record)
-            raise EntryNotFound(f"disk entry {disk_id} ({record.name}) was removed from {self.folder}") from None
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
             with self._lock:
-                record.readers -= 1
-                if record.doomed and not record.readers:
-                    _unlink(self._path(record.name))
+                self._left(record)
+
+    def _left(self, record: DiskRecord) -> None:
+        """A reader of `record` is done (under the lock): a file removed meanwhile goes now."""
+        record.readers -= 1
+        if record.doomed and not record.readers:
+            self._doomed.pop(record.name, None)
+            _unlink(self._path(record.name))
 
     # ----------------------------------------------------------------------------- removing
 
@@ -428,18 +489,22 @@ class DiskTier:
             if record is not None:
                 self._remove(record)
 
-    def erase(self, *, tag: str | None = None, namespace: str | None = None) -> int:
-        """Remove every entry carrying `tag` (and, when given, of `namespace`), files included:
-        what deleting a session or a tenant erases. Files not yet scanned are read for their tag
-        first, so nothing of theirs is left behind. The entries removed."""
-        self.scan_now()  # (what is still unscanned might carry the tag)
+    def erase(self, *, tag: str, namespace: str | None = None, keep: Collection[int] = ()) -> int:
+        """Remove every entry carrying `tag` (and, when given, of `namespace`), files included,
+        but those in `keep`: what deleting a session erases. Files the start-up scan has not
+        reached yet, and files being written, are removed as they are reached (nothing here waits
+        for them). The indexed entries removed now."""
         with self._lock:
-            doomed = [r for r in self._records.values()
-                      if (tag is None or r.header.tag == tag) and (namespace is None or r.header.namespace == namespace)]
+            doomed = [r for r in self._records.values() if r.header.tag == tag and r.id not in keep
+                      and (namespace is None or r.header.namespace == namespace)]
             for record in doomed:
                 self._remove(record)
             self._counters.erased += len(doomed)
-            return len(doomed)
+            if self._unscanned or self._writing:
+                self._tombstones.add((tag, namespace))
+        if doomed:
+            disk_format.sync_directory(self.folder)  # the removals on the device: a power cut keeps them
+        return len(doomed)
 
     def remove_unreadable(self) -> int:
         """Remove the files of another format version (gc); how many."""
@@ -472,12 +537,13 @@ class DiskTier:
         self._index.remove(record.id)
         if record.readers:
             record.doomed = True  # its reader's descriptor keeps the bytes; the file goes after it
+            self._doomed[record.name] = record.file_bytes
         else:
             _unlink(self._path(record.name))
 
     def _bytes_used(self) -> int:
         return (sum(r.file_bytes for r in self._records.values()) + sum(self._unscanned.values())
-                + sum(self._unreadable.values()) + sum(self._writing.values()))
+                + sum(self._unreadable.values()) + sum(self._writing.values()) + sum(self._doomed.values()))
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{name}{disk_format.SUFFIX}"
@@ -516,15 +582,19 @@ def _open_locked(folder: Path) -> int:
     if stat.S_IMODE(info.st_mode) & 0o077:
         os.chmod(folder, 0o700)  # made by an older release or by hand: entries are private
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for attempt in range(LOCK_TRIES):  # (`disk ls` holds it for a moment: a host starting then waits it out)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            time.sleep(LOCK_WAIT_SECONDS)
+    else:
         os.close(fd)
         raise PoolBusy(f"disk tier {folder} is open in another process (each pool's owner keeps its own "
-                       "folder); stop it, or give this pool another name") from None
-    return fd
+                       "folder); stop it, or give this pool another name")
 
 
 def _unlink(path: str | os.PathLike) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # (a file that cannot be removed, on a read-only or failing disk, stays: it is a cache)
+    with contextlib.suppress(OSError):
         os.unlink(path)

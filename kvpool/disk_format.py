@@ -134,11 +134,26 @@ def seal(path: str, stage: Callable[[str], None] = NO_STAGE) -> None:
         finally:
             os.close(fd)
         stage("synced")
+        os.rename(partial, path)
     except BaseException:
         _remove_quietly(partial)
         raise
-    os.rename(partial, path)
+    sync_directory(os.path.dirname(path))  # the name on the device too: a power cut keeps the entry
     stage("renamed")
+
+
+def sync_directory(folder: str | os.PathLike) -> None:
+    """fsync a folder, so that names made or removed in it survive a power cut (best effort)."""
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # (the entry is whole either way; only its name may be lost to a power cut)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, array: np.ndarray) -> int:
@@ -163,9 +178,10 @@ class FileUnreadable(PoolFormatError):
 def read_header(fd: int, size: int, name: str) -> tuple[DiskHeader, np.ndarray]:
     """The header and token ids of the entry file open as `fd` (`size` bytes), each checked:
     DataCorrupt for a torn or damaged file, FileUnreadable for another format version."""
-    if size < TRAILER.size:
+    tail = os.pread(fd, TRAILER.size, size - TRAILER.size) if size >= TRAILER.size else b""
+    if len(tail) != TRAILER.size:
         raise DataCorrupt(f"disk entry {name}: {size} bytes, shorter than its trailer (a torn write)")
-    magic, length, check, total = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
+    magic, length, check, total = TRAILER.unpack(tail)
     if magic != MAGIC or total != size or not 0 < length <= min(MAX_HEADER_BYTES, size - TRAILER.size):
         raise DataCorrupt(f"disk entry {name}: no valid trailer (a torn or foreign file)")
     encoded = os.pread(fd, length, size - TRAILER.size - length)

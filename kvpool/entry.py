@@ -8,7 +8,7 @@ pool only through its small private protocol (`_commit`, `_abort`, `_close_view`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -63,6 +63,7 @@ class EntryRecord:
     extending: bool = False  # a Writer is appending cells
     pending_cost: float = 0.0  # the recompute cost the entry will have once they are committed
     disk_id: int | None = None  # the disk tier's copy of these cells, if it has one
+    supersedes: list[int] = field(default_factory=list)  # disk copies of shorter entries it replaced: go once it has one
     erased: bool = False  # its owner was deleted: never written to disk
 
     @property

@@ -301,6 +301,24 @@ class Pool(Compacting, Tiered):
                                 f"{record.views} open views; release, unpin and close them before evicting")
             self._evict(record)
 
+    def supersede(self, old_id: int, new_id: int) -> bool:
+        """Drop entry `old_id` where entry `new_id` holds its tokens and more, of the same identity
+        and namespace (its owner parked again): every lookup it answered, the new one answers
+        as well, for a state that can be cut back (the caller knows). Not while anyone holds,
+        pins or reads it. Its disk copy goes once the new entry has one. True if it went."""
+        with self._lock:
+            old, new = self._entries.get(old_id), self._entries.get(new_id)
+            if old is None or new is None or old is new or old.refcount or not self._movable(old):
+                return False
+            before, after = old.header, new.header
+            if ((before.identity, before.namespace) != (after.identity, after.namespace) or before.live > after.live
+                    or not np.array_equal(self._store.tokens(before), self._store.tokens(after, before.live))):
+                return False
+            self._hand_down_disk_copy(old, new)
+            self._drop(old)
+            self._counters.superseded += 1
+            return True
+
     def lookup(self, identity: str, tokens, serves: Callable[[int, int], bool] | None = None, *,
                namespace: str = "") -> PrefixMatch | None:
         """The ready entry of `identity` in `namespace` sharing the longest exact token prefix
@@ -503,10 +521,13 @@ class Pool(Compacting, Tiered):
         self._evict(record)
 
     def _evict(self, record: EntryRecord) -> None:
-        del self._entries[record.id]
-        self._prefix.remove(record.id)
         self._counters.evictions += 1
         self._counters.evicted_bytes += record.stored_bytes
+        self._drop(record)
+
+    def _drop(self, record: EntryRecord) -> None:
+        del self._entries[record.id]
+        self._prefix.remove(record.id)
         self._release(record)
 
     def _release(self, record: EntryRecord) -> None:

@@ -33,6 +33,8 @@ class Counters:
     bytes_read: int = 0  # copies out of the pool through read_into (an engine's import)
     bytes_moved: int = 0  # compaction: slack reclaimed, extents relocated
     corrupt_found: int = 0  # entries whose bytes failed their checksum while being moved
+    evicted_unspilled: int = 0  # evicted before the disk tier's writer reached them: written as they went
+    superseded: int = 0  # entries dropped for a longer one of the same tokens (their owner parked again)
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name."""
@@ -71,6 +73,8 @@ class PoolStats(msgspec.Struct, frozen=True):
     bytes_read: int
     bytes_moved: int
     corrupt_found: int
+    evicted_unspilled: int
+    superseded: int
     recovered_entries: int
     recovered_freed_writing: int
     recovered_dropped: int

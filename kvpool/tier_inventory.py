@@ -9,6 +9,7 @@ against the budget and no engine of this model can read them).
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections import Counter
 from pathlib import Path
@@ -16,8 +17,11 @@ from pathlib import Path
 import msgspec
 
 from kvpool import disk_format, places
-from kvpool.disk import DiskTier
-from kvpool.errors import PoolBusy
+from kvpool.disk import LOCK_FILE, DiskTier
+from kvpool.errors import PoolBusy, PoolError
+
+
+UNBOUNDED = 1 << 62
 
 
 class TierInfo(msgspec.Struct, frozen=True):
@@ -29,7 +33,7 @@ class TierInfo(msgspec.Struct, frozen=True):
     files: int
     bytes: int
     identities: dict[str, int] = {}  # entries by the identity that wrote them (a tier not in use)
-    unreadable: int = 0  # files of another format version
+    unreadable: int = 0  # files of another format version, or that could not be read
     removed: int = 0  # files gc removed (torn, damaged, of another format or another identity)
 
 
@@ -41,32 +45,66 @@ def tier_folders(root: Path | None = None) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
 
 
-def describe(folder: Path, *, clean: bool = False, keep_identity: str | None = None) -> TierInfo:
-    """What tier `folder` holds; with `clean`, what gc removes is removed first (not in use only)."""
+def describe(folder: Path) -> TierInfo:
+    """What tier `folder` holds, read without its lock and without changing anything (its owner
+    may be writing: a file that fails to read now is counted as unreadable)."""
+    identities: Counter[str] = Counter()
+    files = size = unreadable = 0
+    for item in os.scandir(folder):
+        if not item.name.endswith(disk_format.SUFFIX) or not item.is_file(follow_symlinks=False):
+            continue
+        files += 1
+        try:
+            fd = os.open(item.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                length = os.fstat(fd).st_size
+                size += length
+                identities[disk_format.read_header(fd, length, item.name)[0].identity] += 1
+            finally:
+                os.close(fd)
+        except (PoolError, OSError):
+            unreadable += 1
+    return TierInfo(folder.name, str(folder), _in_use(folder), files, size, dict(identities), unreadable)
+
+
+def clean(folder: Path, keep_identity: str | None = None) -> TierInfo:
+    """Clean tier `folder` if no process has it open (see the module docstring); what it holds
+    after, and how many files went."""
     try:
-        tier = DiskTier(folder, 0, headroom=0, scan=False)
+        tier = DiskTier(folder, UNBOUNDED, headroom=0, scan=False)  # (cleaning trims nothing to a budget)
     except PoolBusy:
-        sizes = [entry.stat().st_size for entry in os.scandir(folder) if entry.name.endswith(disk_format.SUFFIX)]
-        return TierInfo(folder.name, str(folder), True, len(sizes), sum(sizes))
+        return msgspec.structs.replace(describe(folder), in_use=True)
     with tier:
         tier.scan_now()
         stats = tier.stats()
-        removed = stats.torn_removed + stats.corrupt_found
-        if clean:
-            removed += tier.remove_unreadable()
-            if keep_identity is not None:
-                removed += tier.erase_other_identities(keep_identity)
+        removed = stats.torn_removed + stats.corrupt_found + tier.remove_unreadable()
+        if keep_identity is not None:
+            removed += tier.erase_other_identities(keep_identity)
         entries = tier.entries()
-        stats = tier.stats()
-        return TierInfo(folder.name, str(folder), False, len(entries) + stats.unreadable, stats.bytes_used,
-                        dict(Counter(e.identity for e in entries)), stats.unreadable, removed if clean else 0)
+        return TierInfo(folder.name, str(folder), False, len(entries), tier.stats().bytes_used,
+                        dict(Counter(e.identity for e in entries)), 0, removed)
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a process holds the tier's lock (a shared lock taken and dropped at once)."""
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def list_tiers(root: Path | None = None) -> list[TierInfo]:
-    """Every disk tier of this user (a scan of the ones not in use removes torn files on the way)."""
+    """Every disk tier of this user, as it is (nothing removed)."""
     return [describe(folder) for folder in tier_folders(root)]
 
 
 def collect_garbage(root: Path | None = None, keep_identity: str | None = None) -> list[TierInfo]:
     """Clean every tier not in use (see the module docstring); what each held after, and removed."""
-    return [describe(folder, clean=True, keep_identity=keep_identity) for folder in tier_folders(root)]
+    return [clean(folder, keep_identity) for folder in tier_folders(root)]

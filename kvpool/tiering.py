@@ -17,7 +17,9 @@ tier's lock only inside the pool's, never the other way round.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+from collections.abc import Collection
 
 from kvpool import disk_format, layout as layouts
 from kvpool.disk import DiskStats, DiskTier, PendingWrite
@@ -26,11 +28,16 @@ from kvpool.errors import EntryNotFound, PoolError
 from kvpool.layout import ArrayLayout
 from kvpool.prefix import PrefixMatch
 
+CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
+SCAN_POLL_SECONDS = 0.1
+LOG = logging.getLogger("kvpool.tiering")
+
 
 class Tiered:
     """Pool methods that keep entries on a disk tier behind the memory."""
 
     _disk: DiskTier | None = None
+    _spill_stop = False
     _sealing: EntryRecord | None = None  # evicted, its file being flushed by the writer
 
     def attach_disk(self, tier: DiskTier) -> None:
@@ -44,14 +51,13 @@ class Tiered:
             self._spill_queue: collections.deque[int] = collections.deque(sorted(self._entries))
             self._seal_queue: collections.deque[tuple[PendingWrite, EntryRecord]] = collections.deque()
             self._spill_wake = threading.Condition(self._lock)
-            self._spill_stop = False
             self._spill_busy = False
             self._spiller = threading.Thread(target=self._spill_loop, name=f"kvpool-spill-{self.name}", daemon=True)
             self._spiller.start()
 
     @property
     def disk(self) -> DiskTier | None:
-        """The disk tier behind this pool, if it has one."""
+        """The disk tier behind this pool, if it has one (closed with the pool)."""
         return self._disk
 
     def disk_stats(self) -> DiskStats | None:
@@ -62,18 +68,19 @@ class Tiered:
         """Wait until every entry queued for the disk tier has been written (or refused); False
         on timeout. (Tests, benchmarks and an orderly close use it; nothing on a request's path.)"""
         with self._lock:
-            if self._disk is None:
+            if self._tier() is None:
                 return True
-            return self._spill_wake.wait_for(self._spilled, timeout)
+            return self._spill_wake.wait_for(lambda: self._spilled() or not self._spiller.is_alive(), timeout)
 
     def load(self, disk_id: int, identity: str) -> EntryInfo | None:
         """Read disk entry `disk_id` into a new memory entry held once by the caller (release it),
         verified as it lands: DataCorrupt when it fails (the file is removed), EntryNotFound when
-        the tier no longer has it, PoolError when it is another identity's. None when memory has
-        no room for it even after eviction."""
-        if self._disk is None:
-            raise EntryNotFound(f"pool {self.name!r} has no disk tier")
-        with self._disk.reading(disk_id) as (header, tokens, read_into):
+        the tier no longer has it (or cannot read it now), PoolError when it is another identity's.
+        None when memory has no room for it even after eviction."""
+        tier = self._tier()
+        if tier is None:
+            raise EntryNotFound(f"pool {self.name!r} has no open disk tier")
+        with tier.reading(disk_id) as (header, tokens, read_into):
             if header.identity != identity:
                 raise PoolError(f"disk entry {disk_id} was written by {header.identity}, not {identity}: "
                                 "another model's state is never loaded")
@@ -92,25 +99,37 @@ class Tiered:
                 info = writer.commit(header.data_checksum)
         return info
 
-    def erase(self, *, tag: str, namespace: str | None = None) -> int:
-        """Erase from the disk tier every entry carrying `tag` (of `namespace`, when given), and
-        keep such entries in memory from being written to it again: what deleting their owner
-        erases. Memory entries stay, evictable, as before. The disk entries removed."""
+    def erase(self, *, tag: str, namespace: str | None = None, keep: Collection[int] = ()) -> int:
+        """Erase every entry carrying `tag` (of `namespace`, when given): what deleting their
+        owner erases. From disk, files included; from memory, the entries nobody holds (so a
+        restart does not write them back), except those in `keep` (entries others still start
+        from: a fork's parked KV) and their disk copies; entries held stay in memory, never to
+        be written to disk again. The disk entries removed now."""
         with self._lock:
+            kept_copies = {self._entries[i].disk_id for i in keep if i in self._entries}
             sealing = [record for _, record in self._seal_queue] if self._disk is not None else []
             for record in [*self._entries.values(), *sealing, *([self._sealing] if self._sealing else [])]:
-                if record.header.tag == tag and (namespace is None or record.header.namespace == namespace):
-                    record.erased = True  # (one evicted while its file is flushed is removed after)
-        return 0 if self._disk is None else self._disk.erase(tag=tag, namespace=namespace)
+                if record.id in keep or record.header.tag != tag or namespace not in (None, record.header.namespace):
+                    continue
+                record.erased = True  # (one evicted while its file is flushed is removed after)
+                if self._entries.get(record.id) is record and not record.refcount and self._movable(record):
+                    self._evict(record)
+        tier = self._tier()
+        return 0 if tier is None else tier.erase(tag=tag, namespace=namespace, keep=kept_copies - {None})
 
     # ----------------------------------------------------------------------------- pool hooks
+
+    def _tier(self) -> DiskTier | None:
+        """The disk tier while it is open (not once the pool began to close)."""
+        return None if self._spill_stop else self._disk
 
     def _lookup_below(self, identity: str, tokens, serves, namespace: str,
                       found: PrefixMatch | None) -> PrefixMatch | None:
         """The disk tier's match where it holds more tokens than `found`, the memory's."""
-        if self._disk is None or (found is not None and found.tokens >= len(tokens)):
+        tier = self._tier()
+        if tier is None or (found is not None and found.tokens >= len(tokens)):
             return found
-        below = self._disk.lookup(identity, tokens, serves, namespace=namespace)
+        below = tier.lookup(identity, tokens, serves, namespace=namespace)
         return below if below is not None and (found is None or below.tokens > found.tokens) else found
 
     def _kept_below(self, record: EntryRecord) -> bool:
@@ -119,7 +138,7 @@ class Tiered:
 
     def _queue_spill(self, record: EntryRecord) -> None:
         """Queue a committed entry for the disk tier (under the pool's lock)."""
-        if self._disk is not None and record.disk_id is None and not record.erased and not self._spill_stop:
+        if self._tier() is not None and record.disk_id is None and not record.erased:
             self._spill_queue.append(record.id)
             self._spill_wake.notify_all()
 
@@ -130,18 +149,41 @@ class Tiered:
     def _keep_on_disk(self, record: EntryRecord) -> None:
         """Before memory evicts `record` to make room (under the pool's lock): if the disk tier
         has no copy yet (the writer had not reached it), write one now into the page cache (one
-        copy; the writer flushes and names it), so an entry evicted under pressure stays on disk
-        instead of being dropped."""
-        if (self._disk is None or record.erased or self._spill_stop or record.extending
-                or self._kept_below(record)):
+        copy, on the evicting thread; the writer flushes and names it), so an entry evicted under
+        pressure stays on disk instead of being dropped."""
+        tier = self._tier()
+        if tier is None or record.erased or record.extending or self._kept_below(record):
             return
         header = record.header
         data, tokens = self._store.data(header), self._store.tokens(header)
-        pending = self._disk.begin(_disk_header(record, header, tokens), tokens,
-                                   layouts.all_live_runs(data, record.layout, header.live))
+        record.disk_id = tier.find_copy(header.identity, header.namespace, header.tag, tokens, header.data_checksum)
+        if record.disk_id is not None:
+            return
+        self._counters.evicted_unspilled += 1
+        pending = tier.begin(_disk_header(record, header, tokens), tokens,
+                             layouts.all_live_runs(data, record.layout, header.live))
         if pending is not None:
             self._seal_queue.append((pending, record))
             self._spill_wake.notify_all()
+
+    def _hand_down_disk_copy(self, old: EntryRecord, new: EntryRecord) -> None:
+        """`old` is dropped for `new`, which holds its tokens and more (under the pool's lock): its
+        disk copies go now if `new` has one, else once `new` is written (until then a crash still
+        finds the shorter state on disk)."""
+        copies = [*old.supersedes, *([old.disk_id] if old.disk_id is not None else [])]
+        if self._kept_below(new):
+            for disk_id in copies:
+                self._disk.remove(disk_id)
+        else:
+            new.supersedes.extend(copies)
+
+    def _written(self, record: EntryRecord, disk_id: int) -> None:
+        """`record`'s cells are on disk as `disk_id` (under the pool's lock): the copies of what it
+        superseded go."""
+        record.disk_id = disk_id
+        for old in record.supersedes:
+            self._disk.remove(old)
+        record.supersedes.clear()
 
     def _forget_disk_copy(self, record: EntryRecord) -> None:
         """An entry's cells changed (an extension): its disk copy is not them any more."""
@@ -149,66 +191,76 @@ class Tiered:
             self._disk.remove(record.disk_id)
         record.disk_id = None
 
-    def _stop_spilling(self) -> None:
-        """Let the writer write what is queued, then end it and close the tier (before the pool
-        closes: what a host parks as it closes reaches the disk too)."""
+    def _stop_spilling(self, drain_seconds: float = CLOSE_DRAIN_SECONDS) -> None:
+        """Let the writer write what is queued (for at most `drain_seconds`: what is left stays in
+        the segment), then end it and close the tier (before the pool closes: what a host parks
+        as it closes reaches the disk too). From here on the pool uses the tier no more."""
         if self._disk is None:
             return
         with self._lock:
-            self._spill_wake.wait_for(self._spilled)
-            self._spill_stop = True
-            self._spill_wake.notify_all()
+            if not self._spill_stop:
+                self._spill_wake.wait_for(lambda: self._spilled() or not self._spiller.is_alive(), drain_seconds)
+                self._spill_stop = True
+                self._spill_wake.notify_all()
         self._spiller.join()
         self._disk.close()
 
     def _spill_loop(self) -> None:
-        self._disk.wait_scanned()  # (so that an entry already on disk is found, not written twice)
+        while not self._disk.wait_scanned(SCAN_POLL_SECONDS):  # (so an entry already on disk is found, not
+            with self._lock:                                  # written twice)
+                if self._spill_stop:
+                    return
         while True:
             with self._lock:
                 self._spill_busy = False
+                self._sealing = None
                 self._spill_wake.notify_all()
                 self._spill_wake.wait_for(lambda: self._spill_queue or self._seal_queue or self._spill_stop)
                 if self._spill_stop:
                     return
-                if self._seal_queue:
-                    pending, self._sealing = self._seal_queue.popleft()
-                    self._spill_busy = True
-                else:
-                    pending = None
-            if pending is not None:  # written as its entry was evicted: flush and name it
-                disk_id = self._disk.finish(pending)
-                with self._lock:
-                    if disk_id is not None and self._sealing.erased:
-                        self._disk.remove(disk_id)
-                    self._sealing = None
-                continue
-            with self._lock:
-                record = self._entries.get(self._spill_queue.popleft())
-                if record is None or record.disk_id is not None or record.erased or record.extending:
-                    continue
                 self._spill_busy = True
+            try:
+                self._spill_one()
+            except Exception:  # a bug of ours must not end the writer, nor leave an entry held
+                LOG.exception("pool %s: the disk tier's writer failed on an entry; it stays in memory only", self.name)
+
+    def _spill_one(self) -> None:
+        """Write the next queued file: one evicted (flushed and named), else one committed."""
+        with self._lock:
+            if self._seal_queue:
+                pending, self._sealing = self._seal_queue.popleft()
+            else:
+                pending, record = None, self._entries.get(self._spill_queue.popleft())
+                if record is None or record.disk_id is not None or record.erased or record.extending:
+                    return
                 record.views += 1  # neither evicted nor moved while its bytes are read
+        if pending is not None:  # written as its entry was evicted: flush and name it
+            disk_id = self._disk.finish(pending)
+            with self._lock:
+                if disk_id is not None and self._sealing.erased:
+                    self._disk.remove(disk_id)
+                elif disk_id is not None:
+                    self._written(self._sealing, disk_id)
+            return
+        try:
+            with self._lock:
                 header = record.header
                 data, tokens = self._store.data(header), self._store.tokens(header)
-            try:
-                disk_id = self._disk.find_copy(header.identity, header.namespace, header.tag, tokens,
-                                               header.data_checksum)
-                if disk_id is None:
-                    disk_id = self._disk.write(_disk_header(record, header, tokens), tokens,
-                                               layouts.all_live_runs(data, record.layout, header.live))
-            except Exception:  # a bug of ours must not end the writer: the entry just is not on disk
-                disk_id = None
-            finally:
-                del data, tokens
-                with self._lock:
-                    record.views -= 1
+            disk_id = self._disk.find_copy(header.identity, header.namespace, header.tag, tokens,
+                                           header.data_checksum)
+            if disk_id is None:
+                disk_id = self._disk.write(_disk_header(record, header, tokens), tokens,
+                                           layouts.all_live_runs(data, record.layout, header.live))
+        finally:
             with self._lock:
-                if disk_id is None:
-                    continue
-                if record.erased or record.header.live != header.live or self._entries.get(record.id) is not record:
-                    self._disk.remove(disk_id)  # deleted or extended meanwhile: not these cells any more
-                else:
-                    record.disk_id = disk_id
+                record.views -= 1
+        with self._lock:
+            if disk_id is None:
+                return
+            if record.erased or record.header.live != header.live or self._entries.get(record.id) is not record:
+                self._disk.remove(disk_id)  # deleted or extended meanwhile: not these cells any more
+            else:
+                self._written(record, disk_id)
 
 
 def _disk_header(record: EntryRecord, header, tokens) -> disk_format.DiskHeader:

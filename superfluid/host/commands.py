@@ -226,14 +226,14 @@ class Commands:
                                   "sessions you no longer need, or raise the cap")
 
     def delete(self, session_id: str, *, tenant: str | None = None) -> None:
-        """Remove the session (cancelling its generation); its parked KV becomes evictable, and
-        what the disk tier keeps of it is erased."""
+        """Remove the session (cancelling its generation) and erase its parked KV, from memory
+        (where nobody holds it) and from disk; what a fork still starts from stays."""
         live = self._live(session_id, tenant)
         if live.job is not None:
             self.scheduler.finish(live, "cancelled")
         self.kv.drop(live)
         self.sessions.remove(live)
-        self.kv.erase(live)
+        self.kv.erase([live], self.sessions.durable.values())
 
     def retire(self, session_id: str, *, tenant: str | None = None) -> None:
         """Park the session's KV (cached for later requests with its prefix), then delete it."""

@@ -252,8 +252,9 @@ class Host:
         return self.call(self.commands.list, tenant=tenant)
 
     def delete(self, session_id: str, *, tenant: str | None = None) -> None:
-        """Remove a session (cancelling its generation); its parked KV becomes evictable.
-        `tenant`: the session must be that tenant's."""
+        """Remove a session (cancelling its generation) and erase its parked KV, from the pool
+        (what nobody holds) and from the disk tier; KV a fork of it still starts from stays.
+        `retire` keeps the KV cached instead. `tenant`: the session must be that tenant's."""
         self.call(self.commands.delete, session_id, tenant=tenant)
 
     def retire(self, session_id: str, *, tenant: str | None = None) -> None:

@@ -247,6 +247,7 @@ class KVManager:
                 self._import_from_disk(live, source.match.entry_id, source.pool_tokens)
             elif source.pool_tokens > 0:
                 self._import(live, source.match.entry_id, source.pool_tokens)
+            if source.pool_tokens > 0:
                 # The pool holds what came in, so only what follows it is unexported: counted
                 # from the session's start, a request resumed from a long cached prefix would be
                 # checkpointed (its whole KV copied out again) at its first token.
@@ -260,10 +261,8 @@ class KVManager:
             self.counters.memory_hits += 1
             return
         self.counters.memory_misses += 1
-        if on_disk:
-            self.counters.disk_hits += 1
-        elif self.pool.disk is not None:
-            self.counters.disk_misses += 1
+        if not on_disk and self.pool.disk is not None:
+            self.counters.disk_misses += 1  # (a disk hit is counted once its entry is read: _import_from_disk)
 
     def _import_from_disk(self, live: Live, disk_id: int, keep: int) -> None:
         """Read disk entry `disk_id` into the pool (one copy, verified), then import it as any
@@ -275,7 +274,9 @@ class KVManager:
             loaded = None
         if loaded is None:
             self.counters.import_failures += 1
+            self.counters.disk_misses += 1
             return
+        self.counters.disk_hits += 1
         try:
             self._import(live, loaded.id, keep)
         finally:
@@ -361,11 +362,16 @@ class KVManager:
         self.release_held(live)
         self.unpin(live)
 
-    def erase(self, live: Live) -> None:
-        """Erase what the disk tier keeps of durable session `live` (deleted or expired): its
-        memory entries stay cached, evictable, and are never written to disk again."""
-        if live.durable:
-            self.pool.erase(tag=session_tag(live.state.id), namespace=live.state.namespace)
+    def erase(self, gone: list[Live], sessions: Iterable[Live]) -> None:
+        """Erase the KV of durable sessions `gone` (deleted or expired), from disk and from memory,
+        except an entry another of `sessions` (every session kept) still starts from: a fork's
+        parked KV is its parent's entry until the fork parks its own."""
+        gone = [live for live in gone if live.durable]
+        if not gone:
+            return
+        keep = {other.entry for other in sessions if other.entry is not None}
+        for live in gone:
+            self.pool.erase(tag=session_tag(live.state.id), namespace=live.state.namespace, keep=keep)
 
     def resync(self, live: Live) -> None:
         """After a step the engine refused part-way: `live.kv` from what the engine holds."""
@@ -395,6 +401,7 @@ class KVManager:
                 self.counters.export_failures += 1  # the pool is full or refused it: the lane keeps its KV
                 info = None
             if info is not None:
+                previous = live.entry
                 self.counters.exports += 1
                 # Sessions hold no reference to their parked KV: under pressure it is evicted by
                 # cost like any cached entry (the session then prefills from its log); only a
@@ -402,6 +409,11 @@ class KVManager:
                 self.pool.release(info.id)
                 self.sessions.parked(live, info.id, live.kv)
                 self.follow_pin(live)
+                if previous is not None and self.memory.kind == "kv":
+                    # the lane's earlier state is a prefix of this one, and plain KV is cut back
+                    # on import: it serves nothing this one does not (a fork starting from it
+                    # finds this one by prefix), so it leaves memory and disk
+                    self.pool.supersede(previous, info.id)
         if hold and live.held is None and self._parked_as_is(live):
             self.pool.share(live.entry)
             live.held = live.entry

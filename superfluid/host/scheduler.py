@@ -158,16 +158,18 @@ class Scheduler:
         if expiry is None or now < self._next_expiry_sweep:
             return
         self._next_expiry_sweep = now + max(expiry / 10, 0.1)
+        expired = []
         for live in [live for live in self.sessions.durable.values()
                      if live.job is None and not live.pinned and now - live.active_at >= expiry]:
             try:
                 self.sessions.remove(live)  # logged first: a disk that refuses it leaves the session whole
             except OSError as exc:
                 LOG.warning("expiring session %r: the session log refused its deletion (%s)", live.state.id, exc)
-                return
+                break
             self.kv.drop(live)
-            self.kv.erase(live)
+            expired.append(live)
             self.counters.expired_sessions += 1
+        self.kv.erase(expired, self.sessions.durable.values())
 
     def end_round(self, closing: bool) -> None:
         """After each round of the thread's loop: publish the statistics where due and tell the

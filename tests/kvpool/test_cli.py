@@ -118,11 +118,13 @@ def test_disk_ls_gc_and_rm_list_clean_and_remove_a_pools_disk_tier(pool_name, mo
     listed = kvpool("disk", "ls")
     assert listed.returncode == 0, listed.stderr
     row = _line(listed.stdout, pool_name)
-    assert "model-a (2), model-b (1), 1 of another format" in row and " no " in row
-    assert not (folder / "torn.kv.partial").exists()  # the scan removed what a crash left
+    assert "model-a (2), model-b (1), 1 unreadable (another format, or damaged)" in row and " no " in row
+    assert (folder / "torn.kv.partial").exists()  # a listing changes nothing
+    collected = kvpool("gc")  # the segments, and what no tier can use: torn files, another format
+    assert collected.returncode == 0 and f"{pool_name}: 2 file(s) removed; 3 entries" in collected.stdout
     cleaned = kvpool("disk", "gc", "--keep-identity", "model-a")
     assert cleaned.returncode == 0, cleaned.stderr
-    assert f"{pool_name}: 2 file(s) removed; 2 entries" in cleaned.stdout  # the other format, model-b's
+    assert f"{pool_name}: 1 file(s) removed; 2 entries" in cleaned.stdout  # model-b's
     assert sorted(p.suffix for p in folder.iterdir() if p.name != ".lock") == [".kv", ".kv"]
     removed = kvpool("rm", pool_name)
     assert removed.returncode == 0 and "of its disk tier" in removed.stdout, removed.stderr

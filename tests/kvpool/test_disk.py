@@ -13,10 +13,11 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
-from kvpool import DataCorrupt, EntryBusy, KVArray, PoolError, disk_format
+from kvpool import DataCorrupt, EntryBusy, EntryNotFound, KVArray, PoolError, disk_format
 from kvpool.disk import DiskTier, default_budget
 from tests.kvpool import disk_crash_writer as crash
 
@@ -275,17 +276,16 @@ def test_the_writer_keeps_its_entry_in_place_while_compaction_moves_others(make_
         pool.release(loaded.id)
 
 
-def test_erasing_a_tag_removes_its_files_and_keeps_its_memory_entries_off_disk(make_pool, tmp_path):
+def test_erasing_a_tag_removes_its_files_and_keeps_its_held_memory_entries_off_disk(make_pool, tmp_path):
     pool = tiered(make_pool, tmp_path)
-    put(pool, 1, 20, tag="session:a", capacity=24)
+    erased = put(pool, 1, 20, tag="session:a", capacity=24)
     put(pool, 2, 20, tag="session:b")
     assert pool.wait_spilled(10)
+    pool.share(erased.id)  # held: it stays in memory
     assert pool.erase(tag="session:a") == 1
     assert [e.tag for e in pool.disk.entries()] == ["session:b"] and len(files(tmp_path)) == 1
     assert pool.disk_stats().erased == 1
     # an extension would queue the entry again: an erased one is never written back
-    (erased,) = [e for e in pool.entries() if e.tag == "session:a"]
-    pool.share(erased.id)
     with pool.extend(erased.id, [9, 9]) as writer:
         writer.arrays["k"][...] = 0
         writer.commit()
@@ -354,3 +354,142 @@ def test_the_default_budget_follows_the_disk(tmp_path):
     assert default_budget(tmp_path) == min(total // 10, free // 2) or abs(default_budget(tmp_path)
                                                                         - min(total // 10, free // 2)) < 1 << 24
     assert default_budget(tmp_path, held=10 << 30) >= default_budget(tmp_path)
+
+
+def test_an_erase_reaches_files_the_scan_has_not_and_writes_in_flight(tmp_path):
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        for seed, tag in ((0, "session:a"), (1, "session:b")):
+            tier.write(msgspec.structs.replace(crash.header(seed), tag=tag), crash.token_ids(seed), [crash.cells(seed)])
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        assert tier.erase(tag="session:a") == 0  # nothing indexed yet: nothing waits for the scan
+        pending = tier.begin(msgspec.structs.replace(crash.header(2), tag="session:a"), crash.token_ids(2),
+                             [crash.cells(2)])
+        tier.scan_now()
+        assert [e.tag for e in tier.entries()] == ["session:b"]
+        assert tier.finish(pending) is None  # erased while it was written: removed, never indexed
+        assert len(files(tmp_path)) == 1 and tier.stats().erased == 2
+        tier.write(msgspec.structs.replace(crash.header(3), tag="session:a"), crash.token_ids(3), [crash.cells(3)])
+        assert sorted(e.tag for e in tier.entries()) == ["session:a", "session:b"]  # a new one after is kept
+
+
+def test_a_tier_over_a_smaller_budget_is_trimmed_once_scanned(tmp_path):
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        for seed in range(3):
+            tier.write(msgspec.structs.replace(crash.header(seed), recompute_cost=10.0 + seed), crash.token_ids(seed),
+                       [crash.cells(seed)])
+        one = tier.stats().bytes_used // 3
+    with DiskTier(tmp_path, int(1.5 * one), headroom=0, scan=False) as tier:
+        tier.scan_now()
+        stats = tier.stats()
+        assert stats.bytes_used <= stats.budget_bytes and stats.evictions == 2
+        assert [e.recompute_cost for e in tier.entries()] == [12.0]  # the dearest stayed
+
+
+def test_a_file_that_cannot_be_read_is_not_found_and_nothing_is_reserved(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 1, 20)
+    assert pool.wait_spilled(10)
+    pool.evict(pool.entries()[0].id)
+    disk_id = pool.lookup(MODEL, token_ids(1, 20)).entry_id
+    for name in files(tmp_path):
+        os.unlink(tmp_path / name)  # removed by hand
+    with pytest.raises(EntryNotFound, match="cannot be read"):
+        pool.load(disk_id, MODEL)
+    assert pool.stats().entries == 0 and pool.lookup(MODEL, token_ids(1, 20)) is None
+
+
+def test_an_entry_evicted_before_the_writer_reached_it_is_written_as_it_goes(make_pool, tmp_path):
+    gate, reading = threading.Event(), threading.Event()
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+
+    def hold(name):
+        if name == "data" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    first = put(pool, 1, 32)  # the writer holds this one
+    assert reading.wait(10)
+    second = put(pool, 2, 32)  # queued behind it
+    try:
+        pool.shed(pool.stats().bytes_used - 1)  # the only entry that can go is the second
+        assert [e.id for e in pool.entries()] == [first.id]
+        assert pool.stats().evicted_unspilled == 1
+    finally:
+        gate.set()
+    assert pool.wait_spilled(10) and pool.disk_stats().entries == 2
+    loaded = pool.load(pool.lookup(MODEL, token_ids(2, 32)).entry_id, MODEL)
+    with pool.get(loaded.id) as view:
+        assert np.array_equal(view.arrays["k"], cells(2, 32)) and loaded.id != second.id
+    pool.release(loaded.id)
+
+
+def test_the_writer_survives_a_failure_of_its_own_and_releases_the_entry(make_pool, tmp_path, monkeypatch):
+    from kvpool import tiering
+
+    real = tiering._disk_header
+    calls = []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(tiering, "_disk_header", failing_once)
+    pool = tiered(make_pool, tmp_path)
+    first = put(pool, 1, 20)
+    assert pool.wait_spilled(10) and pool.disk_stats().entries == 0
+    assert pool.info(first.id).pins == 0  # the writer's view was given back
+    put(pool, 2, 20)
+    assert pool.wait_spilled(10) and pool.disk_stats().entries == 1
+
+
+def test_erasing_evicts_the_memory_entries_nobody_holds_except_those_kept(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 1, 20, tag="session:a")  # nobody holds it: evicted
+    kept = put(pool, 2, 20, tag="session:a")
+    held = put(pool, 3, 20, tag="session:a")
+    pool.share(held.id)
+    assert pool.wait_spilled(10)
+    pool.erase(tag="session:a", keep={kept.id})
+    assert sorted(e.id for e in pool.entries()) == [kept.id, held.id]
+    assert [e.tokens for e in pool.disk.entries()] == [20] and pool.lookup(MODEL, token_ids(2, 20)) is not None
+    assert pool.lookup(MODEL, token_ids(1, 20)) is None and not pool.lookup(MODEL, token_ids(3, 20)).on_disk
+
+
+def test_a_superseded_entry_leaves_memory_and_its_disk_copy_goes_once_the_new_one_is_written(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    old = put(pool, 1, 20, tag="session:a")
+    assert pool.wait_spilled(10) and len(pool.disk.entries()) == 1
+    gate, reading = threading.Event(), threading.Event()
+
+    def hold(name):
+        if name == "data" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    new = put(pool, 1, 30, tag="session:a")  # the same tokens and ten more
+    assert reading.wait(10)
+    other = put(pool, 2, 30)
+    assert not pool.supersede(other.id, new.id)  # not a prefix of it: kept
+    assert pool.supersede(old.id, new.id) and pool.stats().superseded == 1
+    assert [e.id for e in pool.entries()] == [new.id, other.id]
+    assert len(pool.disk.entries()) == 1  # the old copy stays while the new one is not on disk yet
+    gate.set()
+    assert pool.wait_spilled(10)
+    assert sorted(e.tokens for e in pool.disk.entries()) == [30, 30]  # the new one and the other
+    assert pool.stats().evictions == 0
+
+
+def test_an_entry_held_or_of_another_namespace_is_not_superseded(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    held = put(pool, 1, 20)
+    pool.share(held.id)
+    new = put(pool, 1, 30)
+    assert not pool.supersede(held.id, new.id)
+    elsewhere = pool.put(MODEL, token_ids(1, 20), [KVArray("k", cells(1, 20), 1)], namespace="tenant-b")
+    pool.release(elsewhere.id)
+    assert not pool.supersede(elsewhere.id, new.id)
+    assert len(pool.entries()) == 3

@@ -163,3 +163,34 @@ def wait_for(condition, seconds: float = 60) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not within {seconds} s")
         time.sleep(0.05)
+
+
+def test_deleting_a_parent_keeps_the_kv_its_fork_starts_from(open_host, clock):
+    host = open_host()
+    parent = host.session()
+    parent.append_text(TEXT)
+    parent.complete(max_tokens=2)
+    clock.advance(6)  # the parent's lane parked: its fork takes its parked KV by reference
+    idle_rounds_until(host, lambda: host.stats().lanes == 0)
+    child = parent.fork()
+    tokens = child.tokens
+    host.delete(parent.id)
+    assert host.pool.wait_spilled(60)
+    assert [e.tag for e in host.pool.disk.entries()] == [f"session:{parent.id}"]  # the fork's until it parks
+    generation = child.generate(max_tokens=1)
+    generation.collect()
+    assert generation.cached_tokens == len(tokens) - 1
+
+
+def test_a_conversation_keeps_one_entry_in_memory_and_on_disk(open_host, clock):
+    host = open_host()
+    session = host.session()
+    for turn in range(4):
+        session.append_text(f" Turn {turn}: {TEXT}")
+        session.complete(max_tokens=4)
+        clock.advance(6)  # parked after each turn: each park holds the one before and more
+        idle_rounds_until(host, lambda: host.stats().lanes == 0)
+    entries = [e for e in host.pool.entries() if e.tag == f"session:{session.id}"]
+    assert len(entries) == 1 and entries[0].tokens >= len(session.tokens) - 1
+    assert [e.tokens for e in parked_on_disk(host)] == [entries[0].tokens]
+    assert host.pool.stats().superseded >= 3
