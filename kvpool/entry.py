@@ -64,6 +64,7 @@ class EntryRecord:
     pending_cost: float = 0.0  # the recompute cost the entry will have once they are committed
     disk_id: int | None = None  # the disk tier's copy of these cells, if it has one
     supersedes: list[int] = field(default_factory=list)  # disk copies of shorter entries it replaced: go once it has one
+    superseded_by: "EntryRecord | None" = None  # replaced while being read: dropped when the last view closes
     erased: bool = False  # its owner was deleted: never written to disk
 
     @property

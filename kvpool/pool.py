@@ -28,7 +28,7 @@ from kvpool.entry import EntryInfo, EntryRecord, EntryView, Writer, meta_layout
 from kvpool.errors import EntryBusy, EntryNotFound, EntryTooLarge, LayoutError, PoolBusy, PoolError
 from kvpool.header import ENTRY_SLOT_BYTES, FORMAT_VERSION, EntryHeader, EntryState, PoolHeader, fits_entry_slot
 from kvpool.layout import ArrayLayout, ArrayTemplate, BlobLayout, KVArray, Layout
-from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
+from kvpool.prefix import PrefixIndex, PrefixMatch, common_prefix, prefix_space
 from kvpool.recovery import RecoveryReport
 from kvpool.maintenance import Compacting
 from kvpool.segment import Segment
@@ -301,19 +301,26 @@ class Pool(Compacting, Tiered):
                                 f"{record.views} open views; release, unpin and close them before evicting")
             self._evict(record)
 
-    def supersede(self, old_id: int, new_id: int) -> bool:
-        """Drop entry `old_id` where entry `new_id` holds its tokens and more, of the same identity
-        and namespace (its owner parked again): every lookup it answered, the new one answers
-        as well, for a state that can be cut back (the caller knows). Not while anyone holds,
-        pins or reads it. Its disk copy goes once the new entry has one. True if it went."""
+    def supersede(self, old_id: int, new_id: int, *, tail: int = 0) -> bool:
+        """Drop entry `old_id` where entry `new_id` of the same identity and namespace holds its
+        tokens and more, but for at most `tail` tokens at its end (its owner parked again, from
+        it): every lookup it answered, the new one answers as well (a state that can be cut back,
+        the caller knows; short of those last tokens). Not while anyone holds or pins it; while
+        the disk tier's writer reads it, it goes when the writer is done. Its disk copy goes once
+        the new entry has one. True if it went, or will."""
         with self._lock:
             old, new = self._entries.get(old_id), self._entries.get(new_id)
-            if old is None or new is None or old is new or old.refcount or not self._movable(old):
+            if old is None or new is None or old is new or old.refcount or old.pins or old.extending:
                 return False
             before, after = old.header, new.header
-            if ((before.identity, before.namespace) != (after.identity, after.namespace) or before.live > after.live
-                    or not np.array_equal(self._store.tokens(before), self._store.tokens(after, before.live))):
+            if (before.identity, before.namespace) != (after.identity, after.namespace):
                 return False
+            shared = common_prefix(self._store.tokens(before), self._store.tokens(after))
+            if before.live - shared > tail:
+                return False
+            if old.views:  # being written to disk or read: dropped once the last view closes
+                old.superseded_by = new
+                return True
             self._hand_down_disk_copy(old, new)
             self._drop(old)
             self._counters.superseded += 1
@@ -510,6 +517,16 @@ class Pool(Compacting, Tiered):
     def _close_view(self, record: EntryRecord) -> None:
         with self._lock:
             record.views -= 1
+            self._drop_if_superseded(record)
+
+    def _drop_if_superseded(self, record: EntryRecord) -> None:
+        """Drop `record` if it was superseded while read, and nobody holds or reads it now."""
+        new = record.superseded_by
+        if (new is not None and not record.views and not record.refcount and not record.pins
+                and self._entries.get(record.id) is record):
+            self._hand_down_disk_copy(record, new)
+            self._drop(record)
+            self._counters.superseded += 1
 
     def _count_read(self, nbytes: int) -> None:
         with self._lock:

@@ -254,6 +254,7 @@ class Tiered:
         finally:
             with self._lock:
                 record.views -= 1
+                self._drop_if_superseded(record)
         with self._lock:
             if disk_id is None:
                 return

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from superfluid.host.sessions import Sessions
 
 INTERACTIVE = Priority.INTERACTIVE
+# An entry a lane was imported from goes once the lane parks its own, if all it held beyond what
+# the lane kept is this many tokens or fewer: the last turn's reply tokens as the next turn's
+# prompt renders them again (a retry of that turn recomputes at most these).
+SUPERSEDED_TAIL = 64
 
 
 class Source(NamedTuple):
@@ -300,6 +304,7 @@ class KVManager:
             return
         self.counters.imports += 1
         live.kv = restored
+        live.started_from = entry
         if restored > keep:
             try:
                 self.engine.truncate(live.seq, keep)
@@ -409,11 +414,17 @@ class KVManager:
                 self.pool.release(info.id)
                 self.sessions.parked(live, info.id, live.kv)
                 self.follow_pin(live)
-                if previous is not None and self.memory.kind == "kv":
-                    # the lane's earlier state is a prefix of this one, and plain KV is cut back
-                    # on import: it serves nothing this one does not (a fork starting from it
-                    # finds this one by prefix), so it leaves memory and disk
-                    self.pool.supersede(previous, info.id)
+                if self.memory.kind == "kv":
+                    # The lane's earlier state, and the entry it was imported from (the last turn
+                    # of a returning conversation), are prefixes of this one where their tokens
+                    # are, and plain KV is cut back on import: they serve nothing this one does
+                    # not (a fork or a request starting from them finds this one by prefix), so
+                    # they leave memory and disk unless someone holds them.
+                    if previous is not None and previous != info.id:
+                        self.pool.supersede(previous, info.id)
+                    if live.started_from not in (None, previous, info.id):
+                        self.pool.supersede(live.started_from, info.id, tail=SUPERSEDED_TAIL)
+                live.started_from = None
         if hold and live.held is None and self._parked_as_is(live):
             self.pool.share(live.entry)
             live.held = live.entry

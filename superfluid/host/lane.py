@@ -78,6 +78,7 @@ class Live:
     owed_cut: int | None = None  # a cut back the log refused to record, made before its next command
     since_park: int = 0  # tokens committed since the last export
     pin: int | None = None  # the pool entry pinned for it, if pinned (the pin moves to each newly parked entry)
+    started_from: int | None = None  # the pool entry its lane was imported from, until it parks its own
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
     own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
 

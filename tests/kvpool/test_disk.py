@@ -493,3 +493,26 @@ def test_an_entry_held_or_of_another_namespace_is_not_superseded(make_pool, tmp_
     pool.release(elsewhere.id)
     assert not pool.supersede(elsewhere.id, new.id)
     assert len(pool.entries()) == 3
+
+
+def test_an_entry_superseded_while_the_writer_reads_it_goes_when_it_is_done_and_a_tail_is_allowed(make_pool,
+                                                                                                 tmp_path):
+    gate, reading = threading.Event(), threading.Event()
+    pool = tiered(make_pool, tmp_path)
+
+    def hold(name):
+        if name == "data" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    old = pool.put(MODEL, token_ids(1, 20) + [7, 7], [KVArray("k", cells(1, 22), 1)])  # two tokens the next lacks
+    pool.release(old.id)
+    assert reading.wait(10)
+    new = put(pool, 1, 30)
+    assert not pool.supersede(old.id, new.id)  # its last two tokens are not the new one's
+    assert pool.supersede(old.id, new.id, tail=2)
+    assert old.id in [e.id for e in pool.entries()]  # the writer still reads it
+    gate.set()
+    assert pool.wait_spilled(10)
+    assert [e.id for e in pool.entries()] == [new.id] and [e.tokens for e in pool.disk.entries()] == [30]

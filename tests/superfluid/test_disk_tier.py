@@ -194,3 +194,22 @@ def test_a_conversation_keeps_one_entry_in_memory_and_on_disk(open_host, clock):
     assert len(entries) == 1 and entries[0].tokens >= len(session.tokens) - 1
     assert [e.tokens for e in parked_on_disk(host)] == [entries[0].tokens]
     assert host.pool.stats().superseded >= 3
+
+
+def test_a_conversation_of_one_shot_requests_keeps_one_entry_as_it_comes_back(open_host):
+    # Each turn of a conversation a client holds is a request of its own: it imports the last
+    # turn's entry and parks a longer one, which supersedes it (memory and disk hold one entry
+    # per conversation, not one per turn).
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    host = open_host()
+    prompt = TEXT * 6
+    for turn in range(4):
+        prompt += f" Turn {turn}."
+        _, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)),
+                                  GenerateRequest(max_tokens=2))
+        generation.collect()
+        if turn:
+            assert generation.cached_tokens >= generation.prompt_tokens - 8  # only the new words prefilled
+    assert len(parked_on_disk(host)) == 1  # (an entry the writer was reading goes once it is done)
+    assert len(host.pool.entries()) == 1 and host.pool.stats().superseded == 3
