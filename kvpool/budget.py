@@ -5,9 +5,14 @@ memory available and the cell price in, a :class:`Budget` out, with the reason f
 The pool computes it once at creation, counting its own reserved bytes as available to it, so the
 budget does not shrink as the pool fills. The budget is hard: the pool checks it before every
 insert and counts every byte it stores (data, side records, header slots).
+
+The disk tier's default budget and headroom (`default_disk_budget`, `default_disk_headroom`)
+follow from the file system it is on.
 """
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 
@@ -92,3 +97,24 @@ def host_memory_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+# The disk tier's budget (kvpool.disk): a hard byte limit on local disk, and room left on it.
+BUDGET_DISK_FRACTION = 0.10  # the default budget: at most a tenth of the file system ...
+BUDGET_FREE_FRACTION = 0.5  # ... and at most half of what is free on it (with what the tier holds)
+HEADROOM_FRACTION = 0.05  # each write leaves this much of the file system free ...
+HEADROOM_MIN, HEADROOM_MAX = 64 << 20, 1 << 30  # ... bounded to these bytes
+
+
+def default_disk_budget(folder: str | os.PathLike, held: int = 0) -> int:
+    """The default disk budget for a tier in `folder` holding `held` bytes: the smaller of a tenth
+    of its file system and half of the space free on it plus what the tier holds already."""
+    fs = os.statvfs(folder)
+    total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+    return max(0, min(int(BUDGET_DISK_FRACTION * total), int(BUDGET_FREE_FRACTION * (free + held))))
+
+
+def default_disk_headroom(folder: str | os.PathLike) -> int:
+    """Bytes each write leaves free on `folder`'s file system: 5% of it, within 64 MiB .. 1 GiB."""
+    fs = os.statvfs(folder)
+    return min(HEADROOM_MAX, max(HEADROOM_MIN, int(HEADROOM_FRACTION * fs.f_blocks * fs.f_frsize)))

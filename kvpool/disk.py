@@ -35,31 +35,14 @@ import msgspec
 import numpy as np
 
 from kvpool import disk_format, eviction
+from kvpool.budget import default_disk_budget, default_disk_headroom
 from kvpool.disk_format import DiskHeader
 from kvpool.errors import DataCorrupt, EntryNotFound, PoolBusy, PoolError
 from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
 
-BUDGET_DISK_FRACTION = 0.10  # the default budget: at most a tenth of the file system ...
-BUDGET_FREE_FRACTION = 0.5  # ... and at most half of what is free on it (with what the tier holds)
-HEADROOM_FRACTION = 0.05  # each write leaves this much of the file system free ...
-HEADROOM_MIN, HEADROOM_MAX = 64 << 20, 1 << 30  # ... bounded to these bytes
 LOCK_FILE = ".lock"
 LOCK_TRIES, LOCK_WAIT_SECONDS = 20, 0.05  # a lock held a moment (a listing) is waited for, one held for good is not
 LOG = logging.getLogger("kvpool.disk")
-
-
-def default_budget(folder: str | os.PathLike, held: int = 0) -> int:
-    """The default disk budget for a tier in `folder` holding `held` bytes: the smaller of a tenth
-    of its file system and half of the space free on it plus what the tier holds already."""
-    fs = os.statvfs(folder)
-    total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
-    return max(0, min(int(BUDGET_DISK_FRACTION * total), int(BUDGET_FREE_FRACTION * (free + held))))
-
-
-def default_headroom(folder: str | os.PathLike) -> int:
-    """Bytes each write leaves free on `folder`'s file system: 5% of it, within 64 MiB .. 1 GiB."""
-    fs = os.statvfs(folder)
-    return min(HEADROOM_MAX, max(HEADROOM_MIN, int(HEADROOM_FRACTION * fs.f_blocks * fs.f_frsize)))
 
 
 class DiskStats(msgspec.Struct, frozen=True):
@@ -149,7 +132,7 @@ class DiskTier:
                  headroom: int | None = None, scan: bool = True,
                  stage: Callable[[str], None] = disk_format.NO_STAGE) -> None:
         """Open (creating it 0700) the tier in `folder` and lock it: PoolBusy while another process
-        has it open. `budget_bytes` None: `default_budget`. `scan` False leaves the files for
+        has it open. `budget_bytes` None: `kvpool.budget.default_disk_budget`. `scan` False leaves the files for
         `scan_now()` (tests). `stage` is handed to every write (tests kill the process there)."""
         self.folder = Path(folder)
         self._lock = threading.Lock()
@@ -171,10 +154,10 @@ class DiskTier:
             self._tombstones: set[tuple[str, str | None]] = set()
             self._unscanned = self._list_files()
             held = sum(self._unscanned.values())
-            self.budget_bytes = default_budget(self.folder, held) if budget_bytes is None else int(budget_bytes)
+            self.budget_bytes = default_disk_budget(self.folder, held) if budget_bytes is None else int(budget_bytes)
             if self.budget_bytes < 0:
                 raise ValueError(f"disk budget {budget_bytes} is negative; give bytes >= 0")
-            self.headroom = default_headroom(self.folder) if headroom is None else int(headroom)
+            self.headroom = default_disk_headroom(self.folder) if headroom is None else int(headroom)
         except BaseException:
             os.close(self._lock_fd)
             raise
