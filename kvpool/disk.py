@@ -291,6 +291,14 @@ class DiskTier:
             record = self._records.get(disk_id)
             return record is not None and not record.doomed
 
+    def tokens_of(self, disk_id: int, identity: str, namespace: str) -> np.ndarray | None:
+        """The token ids of entry `disk_id` if it is still on disk and of `identity` in `namespace`."""
+        with self._lock:
+            record = self._records.get(disk_id)
+            if record is None or record.doomed or (record.header.identity, record.header.namespace) != (identity, namespace):
+                return None
+            return record.tokens
+
     def entries(self) -> list[DiskEntryInfo]:
         """Every indexed entry, by id."""
         with self._lock:

@@ -307,9 +307,12 @@ class Pool(Compacting, Tiered):
         it): every lookup it answered, the new one answers as well (a state that can be cut back,
         the caller knows; short of those last tokens). Not while anyone holds or pins it; while
         the disk tier's writer reads it, it goes when the writer is done. Its disk copy goes once
-        the new entry has one. True if it went, or will."""
+        the new entry has one, also where memory already evicted it for room. True if it went,
+        or will."""
         with self._lock:
             old, new = self._entries.get(old_id), self._entries.get(new_id)
+            if old is None and new is not None and old_id != new_id:
+                return self._supersede_below(old_id, new, tail)
             if old is None or new is None or old is new or old.refcount or old.pins or old.extending:
                 return False
             before, after = old.header, new.header
@@ -536,6 +539,7 @@ class Pool(Compacting, Tiered):
         """Evict `record` because the budget needs its room: the disk tier keeps it."""
         self._keep_on_disk(record)
         self._evict(record)
+        self._moved_below_now(record)
 
     def _evict(self, record: EntryRecord) -> None:
         self._counters.evictions += 1

@@ -26,8 +26,11 @@ from kvpool.disk import DiskStats, DiskTier, PendingWrite
 from kvpool.entry import EntryInfo, EntryRecord
 from kvpool.errors import EntryNotFound, PoolError
 from kvpool.layout import ArrayLayout
-from kvpool.prefix import PrefixMatch
+from kvpool.prefix import PrefixMatch, common_prefix
 
+# How many entries evicted to the disk tier the pool remembers by their memory id, so that their
+# owner's next park can still supersede them there (older ones are left to the tier's eviction).
+MOVED_BELOW_REMEMBERED = 16384
 CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
 SCAN_POLL_SECONDS = 0.1
 LOG = logging.getLogger("kvpool.tiering")
@@ -52,6 +55,8 @@ class Tiered:
             self._seal_queue: collections.deque[tuple[PendingWrite, EntryRecord]] = collections.deque()
             self._spill_wake = threading.Condition(self._lock)
             self._spill_busy = False
+            # memory id -> disk id of entries evicted for room while the tier kept them
+            self._moved_below: collections.OrderedDict[int, int] = collections.OrderedDict()
             self._spiller = threading.Thread(target=self._spill_loop, name=f"kvpool-spill-{self.name}", daemon=True)
             self._spiller.start()
 
@@ -184,6 +189,44 @@ class Tiered:
         for old in record.supersedes:
             self._disk.remove(old)
         record.supersedes.clear()
+        if self._entries.get(record.id) is not record:  # evicted for room while its file was flushed
+            self._moved_below_now(record)
+
+    def _moved_below_now(self, record: EntryRecord) -> None:
+        """`record` left memory for room and the tier keeps it (under the pool's lock): remember
+        where, so that `supersede` finds it by its memory id."""
+        if record.disk_id is None or self._disk is None:
+            return
+        self._moved_below[record.id] = record.disk_id
+        while len(self._moved_below) > MOVED_BELOW_REMEMBERED:
+            self._moved_below.popitem(last=False)
+
+    def _supersede_below(self, old_id: int, new: EntryRecord, tail: int) -> bool:
+        """`supersede` for an entry memory evicted for room, kept on disk (under the pool's lock):
+        its disk copy goes, once `new` has one, where `new` holds its tokens (short of `tail`)
+        and no entry in memory still names that copy as its own (one loaded from it, a copy
+        adopted). Without this, a conversation returning from disk left each turn's file
+        behind, and those crowded out conversations not yet back."""
+        tier = self._tier()
+        disk_id = None if tier is None else self._moved_below.get(old_id)
+        if disk_id is None:
+            return False
+        header = new.header
+        tokens = tier.tokens_of(disk_id, header.identity, header.namespace)
+        if tokens is None:
+            del self._moved_below[old_id]
+            return False
+        if len(tokens) - common_prefix(tokens, self._store.tokens(header)) > tail:
+            return False
+        if any(record.disk_id == disk_id for record in self._entries.values()):
+            return False  # memory holds it again: superseded as that entry, or kept for its holders
+        del self._moved_below[old_id]
+        if self._kept_below(new):
+            tier.remove(disk_id)
+        elif disk_id not in new.supersedes:
+            new.supersedes.append(disk_id)
+        self._counters.superseded += 1
+        return True
 
     def _forget_disk_copy(self, record: EntryRecord) -> None:
         """An entry's cells changed (an extension): its disk copy is not them any more."""

@@ -483,6 +483,37 @@ def test_a_superseded_entry_leaves_memory_and_its_disk_copy_goes_once_the_new_on
     assert pool.stats().evictions == 0
 
 
+def test_an_entry_memory_evicted_for_room_is_superseded_on_disk_unless_memory_names_its_copy_again(make_pool,
+                                                                                                    tmp_path):
+    # a returning conversation: the turn it resumed from left memory before the next turn parked;
+    # its file must still go, or each turn's file crowds out conversations not yet back
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+    old = put(pool, 1, 20, tag="session:a")
+    assert pool.wait_spilled(10)
+    pool.shed(0)
+    assert pool.entries() == [] and len(pool.disk.entries()) == 1
+    loaded = pool.load(pool.lookup(MODEL, token_ids(1, 20)).entry_id, MODEL)
+    pool.release(loaded.id)
+    new = put(pool, 1, 30, tag="session:a")  # the same tokens and ten more
+    other = put(pool, 2, 30)
+    assert not pool.supersede(old.id, new.id)  # the loaded entry names that file: it stays with it
+    assert not pool.supersede(old.id, other.id)  # not a prefix of that one
+    pool.evict(loaded.id)
+    assert pool.supersede(old.id, new.id) and pool.stats().superseded == 1
+    assert not pool.supersede(old.id, new.id)  # once
+    assert pool.wait_spilled(10)
+    assert sorted(e.tokens for e in pool.disk.entries()) == [30, 30]  # the new one and the other
+    assert pool.stats().evictions == 2 and not pool.supersede(10 ** 6, new.id)
+
+
+def test_a_pool_without_a_tier_supersedes_only_what_memory_holds(make_pool):
+    pool = make_pool(1 << 20)
+    old = put(pool, 1, 20)
+    pool.shed(0)  # evicted for room, and no tier keeps it
+    new = put(pool, 1, 30)
+    assert not pool.supersede(old.id, new.id) and pool.stats().superseded == 0
+
+
 def test_an_entry_held_or_of_another_namespace_is_not_superseded(make_pool, tmp_path):
     pool = tiered(make_pool, tmp_path)
     held = put(pool, 1, 20)

@@ -213,3 +213,26 @@ def test_a_conversation_of_one_shot_requests_keeps_one_entry_as_it_comes_back(op
             assert generation.cached_tokens >= generation.prompt_tokens - 8  # only the new words prefilled
     assert len(parked_on_disk(host)) == 1  # (an entry the writer was reading goes once it is done)
     assert len(host.pool.entries()) == 1 and host.pool.stats().superseded == 3
+
+
+def test_conversations_returning_from_disk_keep_one_file_each(open_host):
+    # More conversations than memory holds: a returning turn loads the last one's entry from disk,
+    # memory may evict that copy for room before the turn parks, and its file must still go (else
+    # each turn leaves a file, and those crowd out the conversations not yet back).
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    # room for three of these conversations on MLX, six on llama.cpp (half the bytes per cell); one
+    # more than that and the oldest is always gone from memory when it comes back
+    host = open_host(pool_bytes=4 << 20, export_budget=360 << 10)
+    prompts = [f"{i}: {TEXT * 6}" for i in range(8)]
+    for turn in range(3):
+        for i in range(len(prompts)):
+            prompts[i] += f" Turn {turn}."
+            _, generation = host.call(host.commands.start_request, host.prepare(Prompt(text=prompts[i])),
+                                      GenerateRequest(max_tokens=2))
+            generation.collect()
+            if turn:
+                assert generation.cached_tokens >= generation.prompt_tokens - 8  # only the new words prefilled
+        assert host.pool.wait_spilled(60)
+    assert host.pool.stats().entries < len(prompts) and host.stats().tiers["disk"].hits > 0
+    assert len(parked_on_disk(host)) == len(prompts)
