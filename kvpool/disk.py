@@ -291,13 +291,15 @@ class DiskTier:
             record = self._records.get(disk_id)
             return record is not None and not record.doomed
 
-    def tokens_of(self, disk_id: int, identity: str, namespace: str) -> np.ndarray | None:
-        """The token ids of entry `disk_id` if it is still on disk and of `identity` in `namespace`."""
+    def tokens_of(self, disk_id: int, *, identity: str, namespace: str, tag: str) -> np.ndarray | None:
+        """The token ids of entry `disk_id` if it is still on disk, of `identity` in `namespace`
+        and carrying `tag`."""
         with self._lock:
             record = self._records.get(disk_id)
-            if record is None or record.doomed or (record.header.identity, record.header.namespace) != (identity, namespace):
+            if record is None or record.doomed:
                 return None
-            return record.tokens
+            header = record.header
+            return record.tokens if (header.identity, header.namespace, header.tag) == (identity, namespace, tag) else None
 
     def entries(self) -> list[DiskEntryInfo]:
         """Every indexed entry, by id."""

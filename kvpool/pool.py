@@ -302,7 +302,7 @@ class Pool(Compacting, Tiered):
             self._evict(record)
 
     def supersede(self, old_id: int, new_id: int, *, tail: int = 0) -> bool:
-        """Drop entry `old_id` where entry `new_id` of the same identity and namespace holds its
+        """Drop entry `old_id` where entry `new_id` of the same identity, namespace and tag holds its
         tokens and more, but for at most `tail` tokens at its end (its owner parked again, from
         it): every lookup it answered, the new one answers as well (a state that can be cut back,
         the caller knows; short of those last tokens). Not while anyone holds or pins it; while
@@ -316,8 +316,8 @@ class Pool(Compacting, Tiered):
             if old is None or new is None or old is new or old.refcount or old.pins or old.extending:
                 return False
             before, after = old.header, new.header
-            if (before.identity, before.namespace) != (after.identity, after.namespace):
-                return False
+            if (before.identity, before.namespace, before.tag) != (after.identity, after.namespace, after.tag):
+                return False  # (another owner's: deleting this one's owner must not take it along)
             shared = common_prefix(self._store.tokens(before), self._store.tokens(after))
             if before.live - shared > tail:
                 return False

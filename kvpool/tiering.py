@@ -42,6 +42,7 @@ class Tiered:
     _disk: DiskTier | None = None
     _spill_stop = False
     _sealing: EntryRecord | None = None  # evicted, its file being flushed by the writer
+    _sealing_tokens = None  # (and that file's token ids)
 
     def attach_disk(self, tier: DiskTier) -> None:
         """Keep this pool's entries on `tier` too, from now on; every ready entry is queued for it
@@ -102,6 +103,16 @@ class Tiered:
                 writer._record.disk_id = disk_id  # already on disk: never spilled again
                 read_into(writer.live_runs())
                 info = writer.commit(header.data_checksum)
+        with self._lock:
+            record = self._entries.get(info.id)
+            if record is not None and record.erased:  # its owner was deleted while it was read
+                record.refcount -= 1
+                if not record.refcount and self._movable(record):
+                    self._evict(record)
+                raise EntryNotFound(f"disk entry {disk_id} was erased while it was read")
+            if record is not None and record.disk_id == disk_id and not tier.has(disk_id):
+                record.disk_id = None  # its file was removed while read (superseded, evicted): written anew
+                self._queue_spill(record)
         return info
 
     def erase(self, *, tag: str, namespace: str | None = None, keep: Collection[int] = ()) -> int:
@@ -113,7 +124,9 @@ class Tiered:
         with self._lock:
             kept_copies = {self._entries[i].disk_id for i in keep if i in self._entries}
             sealing = [record for _, record in self._seal_queue] if self._disk is not None else []
-            for record in [*self._entries.values(), *sealing, *([self._sealing] if self._sealing else [])]:
+            # (an entry being loaded back from disk on another thread is erased as it commits)
+            loading = list(self._writing.values())
+            for record in [*self._entries.values(), *sealing, *([self._sealing] if self._sealing else []), *loading]:
                 if record.id in keep or record.header.tag != tag or namespace not in (None, record.header.namespace):
                     continue
                 record.erased = True  # (one evicted while its file is flushed is removed after)
@@ -175,7 +188,8 @@ class Tiered:
         """`old` is dropped for `new`, which holds its tokens and more (under the pool's lock): its
         disk copies go now if `new` has one, else once `new` is written (until then a crash still
         finds the shorter state on disk)."""
-        copies = [*old.supersedes, *([old.disk_id] if old.disk_id is not None else [])]
+        # (never `new`'s own copy: an entry parked again with nothing new adopts the same file)
+        copies = [c for c in [*old.supersedes, old.disk_id] if c is not None and c != new.disk_id]
         if self._kept_below(new):
             for disk_id in copies:
                 self._disk.remove(disk_id)
@@ -187,10 +201,14 @@ class Tiered:
         superseded go."""
         record.disk_id = disk_id
         for old in record.supersedes:
-            self._disk.remove(old)
+            if old != disk_id:  # (its own file, adopted: a park with nothing new)
+                self._disk.remove(old)
         record.supersedes.clear()
         if self._entries.get(record.id) is not record:  # evicted for room while its file was flushed
-            self._moved_below_now(record)
+            if record.superseded_by is not None:  # and its owner parked again meanwhile
+                self._hand_down_disk_copy(record, record.superseded_by)
+            else:
+                self._moved_below_now(record)
 
     def _moved_below_now(self, record: EntryRecord) -> None:
         """`record` left memory for room and the tier keeps it (under the pool's lock): remember
@@ -203,30 +221,61 @@ class Tiered:
 
     def _supersede_below(self, old_id: int, new: EntryRecord, tail: int) -> bool:
         """`supersede` for an entry memory evicted for room, kept on disk (under the pool's lock):
-        its disk copy goes, once `new` has one, where `new` holds its tokens (short of `tail`)
-        and no entry in memory still names that copy as its own (one loaded from it, a copy
-        adopted). Without this, a conversation returning from disk left each turn's file
-        behind, and those crowded out conversations not yet back."""
+        its file goes, once `new` has one, where `new` (of the same identity, namespace and tag)
+        holds its tokens (short of `tail`) and no entry in memory still names that file as its
+        own (one loaded from it, or loading). Without this, a conversation returning from disk
+        left each turn's file behind, and those crowded out conversations not yet back. The
+        pool remembers the last MOVED_BELOW_REMEMBERED entries it evicted so, for as long as it
+        is open; older files are left to the tier's own eviction."""
         tier = self._tier()
-        disk_id = None if tier is None else self._moved_below.get(old_id)
+        if tier is None:
+            return False
+        header, new_tokens = new.header, self._store.tokens(new.header)
+
+        def holds(tokens) -> bool:
+            return len(tokens) - common_prefix(tokens, new_tokens) <= tail
+
+        flushing = self._flushing(old_id)
+        if flushing is not None:  # evicted before the writer flushed its file: that goes once both are
+            record, tokens = flushing
+            before = record.header
+            if ((before.identity, before.namespace, before.tag) != (header.identity, header.namespace, header.tag)
+                    or record.superseded_by is not None or not holds(tokens)):
+                return False
+            record.superseded_by = new  # (_written hands its file down)
+            self._counters.superseded += 1
+            return True
+        disk_id = self._moved_below.get(old_id)
         if disk_id is None:
             return False
-        header = new.header
-        tokens = tier.tokens_of(disk_id, header.identity, header.namespace)
-        if tokens is None:
-            del self._moved_below[old_id]
+        tokens = tier.tokens_of(disk_id, identity=header.identity, namespace=header.namespace, tag=header.tag)
+        if tokens is None:  # gone from disk (forgotten), or another owner's (remembered for its own)
+            if not tier.has(disk_id):
+                del self._moved_below[old_id]
             return False
-        if len(tokens) - common_prefix(tokens, self._store.tokens(header)) > tail:
+        if not holds(tokens):
             return False
-        if any(record.disk_id == disk_id for record in self._entries.values()):
-            return False  # memory holds it again: superseded as that entry, or kept for its holders
+        if any(record.disk_id == disk_id for record in [*self._entries.values(), *self._writing.values()]):
+            return False  # memory holds it again (or is loading it): superseded as that entry, or kept
         del self._moved_below[old_id]
+        if disk_id == new.disk_id or disk_id in new.supersedes:
+            return True  # already handed down (the same file reached by two of the lane's entries)
         if self._kept_below(new):
             tier.remove(disk_id)
-        elif disk_id not in new.supersedes:
+        else:
             new.supersedes.append(disk_id)
         self._counters.superseded += 1
         return True
+
+    def _flushing(self, entry_id: int):
+        """(record, token ids) of entry `entry_id` if memory evicted it before the writer flushed
+        its file, and the writer has yet to (under the pool's lock); else None."""
+        if self._sealing is not None and self._sealing.id == entry_id:
+            return self._sealing, self._sealing_tokens
+        for pending, record in self._seal_queue:
+            if record.id == entry_id:
+                return record, pending.tokens
+        return None
 
     def _forget_disk_copy(self, record: EntryRecord) -> None:
         """An entry's cells changed (an extension): its disk copy is not them any more."""
@@ -256,7 +305,7 @@ class Tiered:
         while True:
             with self._lock:
                 self._spill_busy = False
-                self._sealing = None
+                self._sealing = self._sealing_tokens = None
                 self._spill_wake.notify_all()
                 self._spill_wake.wait_for(lambda: self._spill_queue or self._seal_queue or self._spill_stop)
                 if self._spill_stop:
@@ -272,6 +321,7 @@ class Tiered:
         with self._lock:
             if self._seal_queue:
                 pending, self._sealing = self._seal_queue.popleft()
+                self._sealing_tokens = pending.tokens
             else:
                 pending, record = None, self._entries.get(self._spill_queue.popleft())
                 if record is None or record.disk_id is not None or record.erased or record.extending:

@@ -506,6 +506,89 @@ def test_an_entry_memory_evicted_for_room_is_superseded_on_disk_unless_memory_na
     assert pool.stats().evictions == 2 and not pool.supersede(10 ** 6, new.id)
 
 
+def test_an_entry_evicted_before_its_file_was_flushed_is_superseded_once_it_is(make_pool, tmp_path):
+    gate, reading = threading.Event(), threading.Event()
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+
+    def hold(name):
+        if name == "data" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    first = put(pool, 1, 32)  # the writer holds this one
+    assert reading.wait(10)
+    old = put(pool, 2, 20, tag="session:a")  # queued behind it, then evicted: written into the page cache
+    try:
+        pool.shed(pool.stats().bytes_used - 1)
+        assert pool.stats().evicted_unspilled == 1
+        new = put(pool, 2, 30, tag="session:a")
+        assert pool.supersede(old.id, new.id) and pool.stats().superseded == 1
+    finally:
+        gate.set()
+    assert pool.wait_spilled(10)
+    assert sorted(e.tokens for e in pool.disk.entries()) == [30, 32]  # the old file went once the new was written
+    assert first.id in [e.id for e in pool.entries()]
+
+
+def test_an_entry_of_another_tag_is_not_superseded(make_pool, tmp_path):
+    # a fork's park must not take its parent's entry along: deleting the fork would erase both
+    pool = tiered(make_pool, tmp_path, size=1 << 20)
+    parent = put(pool, 1, 20, tag="session:parent")
+    child = put(pool, 1, 30, tag="session:child")
+    assert not pool.supersede(parent.id, child.id)
+    assert pool.wait_spilled(10)
+    pool.evict(parent.id)
+    assert not pool.supersede(parent.id, child.id)  # (and not as a file either)
+    pool.shed(0)
+    assert not pool.supersede(parent.id, child.id)
+    assert sorted(e.tokens for e in pool.disk.entries()) == [20, 30]
+
+
+def test_an_entry_parked_again_with_nothing_new_keeps_its_file(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path)
+    old = put(pool, 1, 20, tag="session:a")
+    assert pool.wait_spilled(10)
+    again = put(pool, 1, 20, tag="session:a")  # the same tokens and cells: the writer adopts the file
+    assert pool.supersede(old.id, again.id) and pool.wait_spilled(10)
+    assert [e.tokens for e in pool.disk.entries()] == [20] and pool.disk_stats().writes == 1
+    pool.evict(again.id)
+    assert pool.lookup(MODEL, token_ids(1, 20)).on_disk
+
+
+def test_an_entry_erased_or_removed_from_disk_while_it_is_loaded(make_pool, tmp_path, monkeypatch):
+    # a load on a request's thread can meet its owner's deletion, or the file's removal
+    pool = tiered(make_pool, tmp_path)
+    put(pool, 1, 20, tag="session:a")
+    assert pool.wait_spilled(10)
+    pool.shed(0)
+    disk_id = pool.lookup(MODEL, token_ids(1, 20)).entry_id
+    reserve = pool.reserve
+    meanwhile = [lambda: pool.erase(tag="session:a")]
+
+    def reserve_then(*args, **kwargs):
+        writer = reserve(*args, **kwargs)
+        if meanwhile:  # (the test's own puts reserve too)
+            meanwhile.pop()()
+        return writer
+
+    monkeypatch.setattr(pool, "reserve", reserve_then)
+    with pytest.raises(EntryNotFound, match="erased"):
+        pool.load(disk_id, MODEL)
+    assert pool.entries() == [] and pool.disk.entries() == []  # nothing of it came back
+    put(pool, 2, 20, tag="session:b")
+    assert pool.wait_spilled(10)
+    pool.shed(0)
+    disk_id = pool.lookup(MODEL, token_ids(2, 20)).entry_id
+    meanwhile.append(lambda: pool.disk.remove(disk_id))
+    loaded = pool.load(disk_id, MODEL)  # read whole before the file went: written anew
+    pool.release(loaded.id)
+    assert pool.wait_spilled(10)
+    assert [(e.tokens, e.tag) for e in pool.disk.entries()] == [(20, "session:b")]
+    pool.evict(loaded.id)
+    assert pool.lookup(MODEL, token_ids(2, 20)).on_disk
+
+
 def test_a_pool_without_a_tier_supersedes_only_what_memory_holds(make_pool):
     pool = make_pool(1 << 20)
     old = put(pool, 1, 20)
