@@ -96,6 +96,7 @@ class Commands:
         finally:
             self.sessions.log.close()
             self.engine.close()
+            self.kv.warming.stop()  # (a pool does not close while a caller's thread reads into it)
             self.kv.pool.close()
 
     # ----------------------------------------------------------------------------- appending

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import msgspec
+
 from engines import models, registry
 from engines.base import Descriptor, Engine, TokenVocabulary
 from engines.errors import ModelLoadError
@@ -178,13 +180,18 @@ class Host:
     def prepare(self, prompt: Prompt, *, tenant: str = UNNAMED, cache_salt: str | None = None) -> PreparedPrompt:
         """`prompt` (chat messages or a text) rendered and tokenized for a one-shot request
         (`commands.start_request`) of `tenant` and `cache_salt`, on the calling thread: a long
-        conversation costs its caller, never the scheduler thread everyone waits on. ChatError for
-        messages the template refuses; TooManyMessages past `max_messages`."""
+        conversation costs its caller, never the scheduler thread everyone waits on; so does
+        reading its cached KV back from the disk tier where memory no longer holds it (the
+        scheduler then imports it from memory). ChatError for messages the template refuses;
+        TooManyMessages past `max_messages`."""
         self._check_messages(len(prompt.messages))
         space = namespace(check_tenant(tenant), salt_digest(cache_salt))
         if self._tokenizes_anywhere:
-            return self.prompts.build(prompt, space)
-        return self.call(self.prompts.build, prompt, space)
+            prepared = self.prompts.build(prompt, space)
+        else:
+            prepared = self.call(self.prompts.build, prompt, space)
+        warmed = self._scheduler.kv.warming.warm([*prepared.tokens, *prepared.opening], space)
+        return prepared if warmed is None else msgspec.structs.replace(prepared, warmed=warmed)
 
     def tool_use(self, tools: Any, choice: Any = None, parallel: bool | None = None) -> ToolUse:
         """How a generation may call `tools` (OpenAI's `tools`, `tool_choice` and

@@ -19,7 +19,8 @@ managed resource and the pool is their swap space:
   freed; in a unified cache (where every forward reads every used cell) an idle lane is parked
   as soon as another lane is generating.
 
-Everything here runs on the scheduler thread.
+Everything here runs on the scheduler thread (a request's read from the disk tier on its caller's
+thread is warming.py's, which touches only the pool).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from superfluid.host.lane import Live, Span
 from superfluid.host.request import SHORT_FACTOR, Priority
 from superfluid.host.stats import Counters
 from superfluid.host.tenants import TenantLoad
+from superfluid.host.warming import DiskWarming
 
 if TYPE_CHECKING:
     from superfluid.host.sessions import Sessions
@@ -87,6 +89,7 @@ class KVManager:
         self.urgency: Callable[[Live, int], tuple] = lambda live, uncached: (live.job.priority, uncached)
         self.lanes: list[Live] = []  # sessions holding an engine sequence
         self._groups = itertools.count(1)
+        self.warming = DiskWarming(pool, self.descriptor.identity, self.memory)  # (callers' threads)
 
     # ----------------------------------------------------------------------------- cells
 
@@ -127,10 +130,14 @@ class KVManager:
                 # a memory that cannot be cut back is forked only where it ends at the prefix
                 if common > held and self.memory.can_cut_restored(other.kv, common):
                     lane, held = other, common
+        return Source(lane, held, self._pool_match(live))
+
+    def _pool_match(self, live: Live) -> PrefixMatch | None:
+        """The pool's longest match (memory or disk) for `live`'s tokens but the last, of its namespace."""
+        want = len(live.state.tokens) - 1
         serves = None if self.memory.kind == "kv" else self.memory.can_cut_restored
-        match = (self.pool.lookup(self.descriptor.identity, tokens[:want], serves, namespace=namespace)
-                 if want > 0 else None)
-        return Source(lane, held, match)
+        return (self.pool.lookup(self.descriptor.identity, live.state.tokens[:want], serves,
+                                 namespace=live.state.namespace) if want > 0 else None)
 
     def cells_needed(self, live: Live, source: Source) -> int:
         """New cells `live` takes if it starts from `source`: what it does not share, and its reserve
@@ -245,23 +252,36 @@ class KVManager:
                 except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
                     self._close(live)
         if live.seq is None:
-            self._count_tiers(source)
             self._open(live, self.engine.new_sequence(), 0)
-            if source.pool_tokens > 0 and source.match.on_disk:
-                self._import_from_disk(live, source.match.entry_id, source.pool_tokens)
-            elif source.pool_tokens > 0:
-                self._import(live, source.match.entry_id, source.pool_tokens)
-            if source.pool_tokens > 0:
+            match = source.match if source.pool_tokens > 0 else None
+            if match is not None and not match.on_disk and not self._import(live, match.entry_id, match.tokens):
+                # gone since it was found (evicted by a park that made room for this lane, or by
+                # a read from disk on another thread): once more, from wherever it is now
+                again = self._pool_match(live)
+                if again is not None and (again.on_disk or again.entry_id != match.entry_id):
+                    match = again
+                    if not again.on_disk:
+                        self._import(live, again.entry_id, again.tokens)
+            self._count_tiers(live, match)
+            if match is not None and match.on_disk:
+                self._import_from_disk(live, match.entry_id, match.tokens)
+            if match is not None:
                 # The pool holds what came in, so only what follows it is unexported: counted
                 # from the session's start, a request resumed from a long cached prefix would be
                 # checkpointed (its whole KV copied out again) at its first token.
                 live.since_park = len(live.state.tokens) - live.kv
+        live.warmed = None
         self.release_held(live)
 
-    def _count_tiers(self, source: Source) -> None:
-        """Count where a lane that does not fork found its prefix: memory, disk, or neither."""
-        on_disk = source.pool_tokens > 0 and source.match.on_disk
-        if source.pool_tokens > 0 and not on_disk:
+    def _count_tiers(self, live: Live, match: PrefixMatch | None) -> None:
+        """Count where a lane that does not fork found its prefix (`match`): memory, disk (read in
+        by the scheduler, or for it on its caller's thread: warming.py), or neither."""
+        on_disk = match is not None and match.on_disk
+        if match is not None and not on_disk and live.warmed is not None and match.entry_id == live.warmed:
+            self.counters.memory_misses += 1  # (a disk match's id is the tier's, never compared with memory's)
+            self.counters.disk_hits += 1
+            return
+        if match is not None and not on_disk:
             self.counters.memory_hits += 1
             return
         self.counters.memory_misses += 1
@@ -286,10 +306,10 @@ class KVManager:
         finally:
             self.pool.release(loaded.id)  # cached in memory now, evictable as any entry
 
-    def _import(self, live: Live, entry: int, keep: int) -> None:
+    def _import(self, live: Live, entry: int, keep: int) -> bool:
         """Import pool entry `entry` into `live`'s new, empty lane and cut it to `keep` tokens. When
         the entry is corrupt, gone or refused, or cannot be cut to `keep`, the lane is left empty
-        (its tokens are prefilled)."""
+        (its tokens are prefilled). False where the pool could not give it (corrupt, gone, refused)."""
         try:
             with self.pool.get(entry, verify=False) as view:
                 restored = transfer.import_(self.engine, live.seq, view)
@@ -301,7 +321,7 @@ class KVManager:
                     self.pool.evict(entry)  # nobody should start from it again
                 except PoolError:
                     pass  # held elsewhere: the pool counts it corrupt, its holders will find out
-            return
+            return False
         self.counters.imports += 1
         live.kv = restored
         live.started_from = entry
@@ -312,6 +332,7 @@ class KVManager:
             except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
                 self._close(live)
                 self._open(live, self.engine.new_sequence(), 0)
+        return True
 
     # ----------------------------------------------------------------------------- lanes
 

@@ -79,6 +79,7 @@ class Live:
     since_park: int = 0  # tokens committed since the last export
     pin: int | None = None  # the pool entry pinned for it, if pinned (the pin moves to each newly parked entry)
     started_from: int | None = None  # the pool entry its lane was imported from, until it parks its own
+    warmed: int | None = None  # a pool entry read in from disk for it off the scheduler thread (a disk hit if used)
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
     own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
 

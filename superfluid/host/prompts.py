@@ -31,6 +31,7 @@ class PreparedPrompt(msgspec.Struct, frozen=True):
     messages: list[dict]
     message_ends: list[int]
     opening: list[int]
+    warmed: int | None = None  # the pool entry Host.prepare read in from disk for it, if any
 
 
 class PromptBuilder:

@@ -344,6 +344,7 @@ class Sessions:
         state.messages.extend(prompt.messages)
         state.message_ends.extend(prompt.message_ends)
         live.since_park += len(prompt.tokens)
+        live.warmed = prompt.warmed
         live.last_used = self.order()
 
     def opening(self, live: Live) -> list[int]:

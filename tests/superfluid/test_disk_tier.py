@@ -236,3 +236,76 @@ def test_conversations_returning_from_disk_keep_one_file_each(open_host):
         assert host.pool.wait_spilled(60)
     assert host.pool.stats().entries < len(prompts) and host.stats().tiers["disk"].hits > 0
     assert len(parked_on_disk(host)) == len(prompts)
+
+
+def test_a_request_reads_its_kv_from_disk_on_its_own_thread_and_the_scheduler_reads_it_if_memory_let_it_go(
+        open_host, monkeypatch):
+    # The scheduler thread is every lane's: a request whose cached KV is only on disk has it read
+    # back as it is prepared, on its caller's thread; should memory evict it again before the
+    # request starts, the scheduler reads it itself. Either way one disk hit, nothing prefilled.
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    host = open_host()
+    prompt = TEXT * 6
+    _, first = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)), GenerateRequest(max_tokens=2))
+    first.collect()
+    assert host.pool.wait_spilled(60)
+    loads = []
+    original = type(host.pool).load
+
+    def counted_load(pool, *args, **kwargs):
+        loads.append(threading.current_thread().name)
+        return original(pool, *args, **kwargs)
+
+    monkeypatch.setattr(type(host.pool), "load", counted_load)
+    for evicted_after_prepare in (False, True):
+        assert host.pool.wait_spilled(60)  # (the last turn's file written, the one before it gone)
+        host.pool.shed(0)  # memory lets it go: the disk keeps it
+        assert host.pool.entries() == [] and host.pool.disk.entries()
+        prepared = host.prepare(Prompt(text=prompt + " Again."))
+        assert prepared.warmed is not None and loads[-1] == threading.current_thread().name
+        if evicted_after_prepare:
+            assert host.pool.wait_spilled(60)
+            host.pool.shed(0)
+        _, generation = host.call(host.commands.start_request, prepared, GenerateRequest(max_tokens=2))
+        generation.collect()
+        assert generation.cached_tokens >= generation.prompt_tokens - 8  # only the new word prefilled
+    me = threading.current_thread().name
+    assert loads == [me, me, "superfluid-scheduler"]  # the second time memory had let it go
+    tiers = host.stats().tiers
+    assert tiers["disk"].hits == 2 and tiers["memory"].misses >= 3  # the first request's miss, and these two
+
+
+def test_closing_waits_for_a_read_from_disk_on_a_callers_thread(open_host, monkeypatch):
+    # a pool does not close while an entry is being read into it: close waits for the read
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    host = open_host()
+    _, first = host.call(host.commands.start_request, host.prepare(Prompt(text=TEXT * 6)), GenerateRequest(max_tokens=2))
+    first.collect()
+    assert host.pool.wait_spilled(60)
+    host.pool.shed(0)
+    reading, go_on = threading.Event(), threading.Event()
+
+    def and_wait(reserve):  # the entry is being written into the pool from there
+        def reserve_and_wait(*args, **kwargs):
+            writer = reserve(*args, **kwargs)
+            reading.set()
+            go_on.wait(60)
+            return writer
+        return reserve_and_wait
+
+    for name in ("reserve", "reserve_blob"):  # (MLX's arrays, llama.cpp's blobs)
+        monkeypatch.setattr(host.pool, name, and_wait(getattr(host.pool, name)))
+    prepared, closed = [], []
+    preparing = threading.Thread(target=lambda: prepared.append(host.prepare(Prompt(text=TEXT * 6 + " Again."))))
+    preparing.start()
+    assert reading.wait(60)
+    closing = threading.Thread(target=lambda: closed.append(host.close()))
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive()  # waiting for the read
+    go_on.set()
+    closing.join(60)
+    preparing.join(60)
+    assert closed == [None] and len(prepared) == 1 and not host.alive()
