@@ -46,6 +46,7 @@ from benchmarks.texts import text_of
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS, THEIRS, THEIRS_CACHED = "superfluid serve", "llama-cpp-python server", "llama-cpp-python server + cache"
+OURS_NO_DISK = "superfluid serve --disk-tier no"  # ours as it was before the disk tier: the pool's memory only
 PEER, PEER_NP8 = "llama-server", "llama-server -np 8"  # llama.cpp's own C++ server: its defaults, and 8 slots
 PEERS = (PEER, PEER_NP8)
 PEER_GROUP = "ours against llama.cpp's llama-server"
@@ -172,11 +173,11 @@ def first_text_seconds(client: openai.OpenAI, model: str, messages: list[dict], 
 
 
 def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None = None, threads: int = 2,
-               extra: tuple[str, ...] = ()) -> Served:
+               extra: tuple[str, ...] = (), label: str = OURS) -> Served:
     """`superfluid serve` on `model` through llama.cpp on `threads` threads with `n_ctx` cells
     (None: serve's default, sized from memory), on a pool (`pool`, default one named for this
     process; sized as serve sizes it unless `extra` says --pool-bytes) and log of its own, with
-    `extra` flags."""
+    `extra` flags; named `label` in the figures."""
     from kvpool import places, segment
     from kvpool.disk import remove_tier
 
@@ -200,7 +201,7 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
         if "--disk-dir" not in extra:  # (a benchmark that names the folder removes it)
             remove_tier(places.disk_folder(pool))
 
-    return Served(OURS, argv, port, counts, cleanup)
+    return Served(label, argv, port, counts, cleanup)
 
 
 def start_theirs(model: Path, n_ctx: int, cache: bool) -> Served:

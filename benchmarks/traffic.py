@@ -22,8 +22,13 @@ field, greedy, each reply exactly `reply` tokens long (`ignore_eos`, which both 
    ~`preamble`-token system prompt plus its own task; each step sends the history with the last
    reply and a short tool result. Wall time until the last agent's last reply.
 
+Ours runs twice: as serve starts by default (its disk tier on, writing parked KV in the background)
+and with `--disk-tier no` (the pool's memory only), so that one run says what the tier costs or
+gains in each shape.
+
 Ratios: ours over theirs for rates, theirs over ours for times (above 1: ours ahead). The goal
-(1) is set against the better of llama-server's two configurations.
+(1) is set against the better of llama-server's two configurations; ours against ours without
+the tier has no goal but "unchanged" where the tier only writes (1 within the spread).
 
     .venv/bin/python benchmarks/traffic.py [--quick]   # prints the figures and ratios
 """
@@ -222,6 +227,8 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
     cells: dict[str, int] = {}  # ours' cells, once it has sized them, for the 8-slot peer
     with tempfile.TemporaryDirectory() as scratch:
         for start in (lambda: servers.start_ours(model, None, scratch),
+                      lambda: servers.start_ours(model, None, scratch, extra=("--disk-tier", "no"),
+                                                 label=servers.OURS_NO_DISK),
                       lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
                       lambda: servers.start_peer(model, cells["ours"], slots=8, extra=("-fa", "on"))):
             served = start()
@@ -231,6 +238,7 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
                     run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)",
                              cells["ours"])
                 chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
+                tiers_before = served.metrics("superfluid_kv_tier_") if served.label == servers.OURS else None
                 for name, shape in shapes:
                     before = served.counts()
                     try:
@@ -241,6 +249,13 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
                     run.note(f"{served.label}: {name}: prompt tokens evaluated",
                              int(served.counts()["prompt"] - before["prompt"]))
                     tick(f"{served.label}: {name}")
+                if tiers_before is not None:  # what came back from disk and what the tier wrote, over the shapes
+                    tiers = served.metrics("superfluid_kv_tier_")
+                    run.note(f"{served.label}: disk tier hits / misses / bytes written / bytes read",
+                             " / ".join(f"{tiers.get(key, 0) - tiers_before.get(key, 0):.0f}" for key in (
+                                 'superfluid_kv_tier_hits_total{tier="disk"}', 'superfluid_kv_tier_misses_total{tier="disk"}',
+                                 'superfluid_kv_tier_bytes_written_total{tier="disk"}',
+                                 'superfluid_kv_tier_bytes_read_total{tier="disk"}')))
             finally:
                 served.stop()
     for label in (label_streams(1), label_streams(4), label_conversations(sizes), label_documents(sizes), CHATS,
@@ -255,7 +270,10 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
             run.ratio(f"{label}: {'ours / ' + peer if rate else peer + ' / ours'}",
                       ours=f"{servers.OURS}: {label}", baseline=f"{peer}: {label}", group=GROUP,
                       goal=1 if peer == better else None)
-    for server in (servers.OURS, *servers.PEERS):
+        if f"{servers.OURS_NO_DISK}: {label}" in run.figures:
+            run.ratio(f"{label}: {'ours / ours without the disk tier' if rate else 'ours without the disk tier / ours'}",
+                      ours=f"{servers.OURS}: {label}", baseline=f"{servers.OURS_NO_DISK}: {label}", group=GROUP)
+    for server in (servers.OURS, servers.OURS_NO_DISK, *servers.PEERS):
         if f"{server}: {CHATS}" in run.figures:
             samples = run.figures[f"{server}: {CHATS}"].samples
             run.note(f"{server}: short chats' first token p50 / p95 (s)",
