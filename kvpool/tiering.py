@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Collection
 
 from kvpool import disk_format, layout as layouts
@@ -31,6 +32,12 @@ from kvpool.prefix import PrefixMatch, common_prefix
 # How many entries evicted to the disk tier the pool remembers by their memory id, so that their
 # owner's next park can still supersede them there (older ones are left to the tier's eviction).
 MOVED_BELOW_REMEMBERED = 16384
+# How long a committed entry waits before the writer copies it to disk. Most parks are superseded
+# within seconds (a long prompt checkpoints every few hundred tokens, a conversation parks each
+# turn), and an entry dropped before its turn is never written. A process crash loses nothing by
+# it (the segment keeps the entry); a power cut loses at most this much of the latest parks
+# (their tokens are in the session log). Memory evicting an entry first writes it then.
+SPILL_DELAY_SECONDS = 2.0
 CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
 SCAN_POLL_SECONDS = 0.1
 LOG = logging.getLogger("kvpool.tiering")
@@ -44,15 +51,21 @@ class Tiered:
     _sealing: EntryRecord | None = None  # evicted, its file being flushed by the writer
     _sealing_tokens = None  # (and that file's token ids)
 
-    def attach_disk(self, tier: DiskTier) -> None:
-        """Keep this pool's entries on `tier` too, from now on; every ready entry is queued for it
+    def attach_disk(self, tier: DiskTier, *, delay: float = SPILL_DELAY_SECONDS) -> None:
+        """Keep this pool's entries on `tier` too, from now on: every ready entry is queued for it
+        now, each committed later `delay` seconds after its commit, unless it is dropped first
         (the pool closes the tier when it closes)."""
         with self._lock:
             self._check_open()
             if self._disk is not None:
                 raise PoolError(f"pool {self.name!r} already has a disk tier ({self._disk.folder})")
             self._disk = tier
-            self._spill_queue: collections.deque[int] = collections.deque(sorted(self._entries))
+            self._spill_delay = delay
+            now = time.monotonic()
+            # (entry id, when it is due), in the order they are due
+            self._spill_queue: collections.deque[tuple[int, float]] = collections.deque(
+                (entry_id, now) for entry_id in sorted(self._entries))
+            self._hurried = 0  # callers waiting for everything queued (wait_spilled, close): no delay
             self._seal_queue: collections.deque[tuple[PendingWrite, EntryRecord]] = collections.deque()
             self._spill_wake = threading.Condition(self._lock)
             self._spill_busy = False
@@ -71,12 +84,22 @@ class Tiered:
         return None if self._disk is None else self._disk.stats()
 
     def wait_spilled(self, timeout: float | None = None) -> bool:
-        """Wait until every entry queued for the disk tier has been written (or refused); False
-        on timeout. (Tests, benchmarks and an orderly close use it; nothing on a request's path.)"""
+        """Write every entry queued for the disk tier now, without its delay, and wait until all
+        are written (or refused); False on timeout. (Tests, benchmarks and an orderly close use
+        it; nothing on a request's path.)"""
         with self._lock:
             if self._tier() is None:
                 return True
+            return self._hurry_spills(timeout)
+
+    def _hurry_spills(self, timeout: float | None) -> bool:
+        """wait_spilled() under the pool's lock."""
+        self._hurried += 1
+        self._spill_wake.notify_all()
+        try:
             return self._spill_wake.wait_for(lambda: self._spilled() or not self._spiller.is_alive(), timeout)
+        finally:
+            self._hurried -= 1
 
     def load(self, disk_id: int, identity: str) -> EntryInfo | None:
         """Read disk entry `disk_id` into a new memory entry held once by the caller (release it),
@@ -157,7 +180,7 @@ class Tiered:
     def _queue_spill(self, record: EntryRecord) -> None:
         """Queue a committed entry for the disk tier (under the pool's lock)."""
         if self._tier() is not None and record.disk_id is None and not record.erased:
-            self._spill_queue.append(record.id)
+            self._spill_queue.append((record.id, time.monotonic() + self._spill_delay))
             self._spill_wake.notify_all()
 
     def _spilled(self) -> bool:
@@ -291,7 +314,7 @@ class Tiered:
             return
         with self._lock:
             if not self._spill_stop:
-                self._spill_wake.wait_for(lambda: self._spilled() or not self._spiller.is_alive(), drain_seconds)
+                self._hurry_spills(drain_seconds)
                 self._spill_stop = True
                 self._spill_wake.notify_all()
         self._spiller.join()
@@ -307,7 +330,8 @@ class Tiered:
                 self._spill_busy = False
                 self._sealing = self._sealing_tokens = None
                 self._spill_wake.notify_all()
-                self._spill_wake.wait_for(lambda: self._spill_queue or self._seal_queue or self._spill_stop)
+                while not (self._seal_queue or self._spill_stop or self._spill_due()):
+                    self._spill_wake.wait(self._spill_queue[0][1] - time.monotonic() if self._spill_queue else None)
                 if self._spill_stop:
                     return
                 self._spill_busy = True
@@ -316,6 +340,10 @@ class Tiered:
             except Exception:  # a bug of ours must not end the writer, nor leave an entry held
                 LOG.exception("pool %s: the disk tier's writer failed on an entry; it stays in memory only", self.name)
 
+    def _spill_due(self) -> bool:
+        """Whether the next queued entry is due (or someone waits for all of them), under the lock."""
+        return bool(self._spill_queue) and (self._hurried > 0 or self._spill_queue[0][1] <= time.monotonic())
+
     def _spill_one(self) -> None:
         """Write the next queued file: one evicted (flushed and named), else one committed."""
         with self._lock:
@@ -323,7 +351,7 @@ class Tiered:
                 pending, self._sealing = self._seal_queue.popleft()
                 self._sealing_tokens = pending.tokens
             else:
-                pending, record = None, self._entries.get(self._spill_queue.popleft())
+                pending, record = None, self._entries.get(self._spill_queue.popleft()[0])
                 if record is None or record.disk_id is not None or record.erased or record.extending:
                     return
                 record.views += 1  # neither evicted nor moved while its bytes are read

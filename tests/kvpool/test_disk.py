@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -44,10 +45,12 @@ def put(pool, seed: int, tokens: int = 32, *, tag: str = "", cost: float | None 
     return info
 
 
-def tiered(make_pool, folder: Path, *, disk_budget: int = ENOUGH, size: int = 4 << 20, **options):
-    """A pool with a disk tier in `folder`."""
+def tiered(make_pool, folder: Path, *, disk_budget: int = ENOUGH, size: int = 4 << 20, delay: float = 0.0,
+           **options):
+    """A pool with a disk tier in `folder`, its entries written `delay` seconds after their commit
+    (none here: the tests that are about the delay say so)."""
     pool = make_pool(size)
-    pool.attach_disk(DiskTier(folder, disk_budget, headroom=0, **options))
+    pool.attach_disk(DiskTier(folder, disk_budget, headroom=0, **options), delay=delay)
     return pool
 
 
@@ -74,6 +77,34 @@ def test_an_entry_evicted_from_memory_is_loaded_back_from_disk_byte_for_byte(mak
     # once loaded it is in memory again, and found there first; it is not written twice
     assert not pool.lookup(MODEL, token_ids(1, 50)).on_disk
     assert pool.wait_spilled(10) and pool.disk_stats().writes == 1
+
+
+def test_an_entry_is_written_once_its_delay_is_over_and_one_superseded_before_never(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path, delay=3600)  # nothing is due within the test
+    old = put(pool, 1, 20, tag="session:a")
+    new = put(pool, 1, 30, tag="session:a")  # its owner parked again within the delay
+    assert pool.supersede(old.id, new.id)
+    assert pool.disk_stats().writes == 0
+    assert pool.wait_spilled(10)  # writes what is queued now, delay or not
+    assert [e.tokens for e in pool.disk.entries()] == [30] and pool.disk_stats().writes == 1
+    soon = tiered(make_pool, tmp_path / "soon", delay=0.05)
+    put(soon, 2, 20)
+    for _ in range(200):  # written by the writer on its own once due (nobody waits for it)
+        if soon.disk_stats().writes:
+            break
+        time.sleep(0.05)
+    assert soon.disk_stats().writes == 1
+
+
+def test_an_entry_evicted_within_its_delay_is_written_as_it_goes(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path, size=1 << 20, delay=3600)
+    info = put(pool, 1, 32)
+    pool.shed(0)
+    assert pool.stats().evicted_unspilled == 1 and pool.wait_spilled(10)
+    loaded = pool.load(pool.lookup(MODEL, token_ids(1, 32)).entry_id, MODEL)
+    with pool.get(loaded.id) as view:
+        assert np.array_equal(view.arrays["k"], cells(1, 32)) and loaded.id != info.id
+    pool.release(loaded.id)
 
 
 def test_a_blob_entry_goes_to_disk_and_back(make_pool, tmp_path):
