@@ -54,6 +54,20 @@ def tiered(make_pool, folder: Path, *, disk_budget: int = ENOUGH, size: int = 4 
     return pool
 
 
+def hold_the_writer(pool) -> tuple[threading.Event, threading.Event]:
+    """(gate, reading): the tier's writer stops before the data of each file it writes until
+    `gate` is set; `reading` is set once it stopped there."""
+    gate, reading = threading.Event(), threading.Event()
+
+    def hold(stage: str) -> None:
+        if stage == "data" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+
+    pool.disk._stage = hold
+    return gate, reading
+
+
 def files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
 
@@ -276,15 +290,8 @@ def test_memory_evicts_an_entry_with_a_disk_copy_before_a_dearer_one_without(mak
 
 
 def test_the_writer_keeps_its_entry_in_place_while_compaction_moves_others(make_pool, tmp_path):
-    gate, reading = threading.Event(), threading.Event()
     pool = tiered(make_pool, tmp_path, size=1 << 20)
-
-    def hold(name):
-        if name == "data":
-            reading.set()
-            gate.wait(10)
-
-    pool.disk._stage = hold
+    gate, reading = hold_the_writer(pool)
     held = put(pool, 1, 16, capacity=2048)  # mostly slack: compaction would move both
     queued = put(pool, 2, 16, capacity=2048)
     assert reading.wait(10)
@@ -430,15 +437,8 @@ def test_a_file_that_cannot_be_read_is_not_found_and_nothing_is_reserved(make_po
 
 
 def test_an_entry_evicted_before_the_writer_reached_it_is_written_as_it_goes(make_pool, tmp_path):
-    gate, reading = threading.Event(), threading.Event()
     pool = tiered(make_pool, tmp_path, size=1 << 20)
-
-    def hold(name):
-        if name == "data" and not gate.is_set():
-            reading.set()
-            gate.wait(10)
-
-    pool.disk._stage = hold
+    gate, reading = hold_the_writer(pool)
     first = put(pool, 1, 32)  # the writer holds this one
     assert reading.wait(10)
     second = put(pool, 2, 32)  # queued behind it
@@ -493,14 +493,7 @@ def test_a_superseded_entry_leaves_memory_and_its_disk_copy_goes_once_the_new_on
     pool = tiered(make_pool, tmp_path)
     old = put(pool, 1, 20, tag="session:a")
     assert pool.wait_spilled(10) and len(pool.disk.entries()) == 1
-    gate, reading = threading.Event(), threading.Event()
-
-    def hold(name):
-        if name == "data" and not gate.is_set():
-            reading.set()
-            gate.wait(10)
-
-    pool.disk._stage = hold
+    gate, reading = hold_the_writer(pool)
     new = put(pool, 1, 30, tag="session:a")  # the same tokens and ten more
     assert reading.wait(10)
     other = put(pool, 2, 30)
@@ -538,15 +531,8 @@ def test_an_entry_memory_evicted_for_room_is_superseded_on_disk_unless_memory_na
 
 
 def test_an_entry_evicted_before_its_file_was_flushed_is_superseded_once_it_is(make_pool, tmp_path):
-    gate, reading = threading.Event(), threading.Event()
     pool = tiered(make_pool, tmp_path, size=1 << 20)
-
-    def hold(name):
-        if name == "data" and not gate.is_set():
-            reading.set()
-            gate.wait(10)
-
-    pool.disk._stage = hold
+    gate, reading = hold_the_writer(pool)
     first = put(pool, 1, 32)  # the writer holds this one
     assert reading.wait(10)
     old = put(pool, 2, 20, tag="session:a")  # queued behind it, then evicted: written into the page cache
@@ -642,15 +628,8 @@ def test_an_entry_held_or_of_another_namespace_is_not_superseded(make_pool, tmp_
 
 def test_an_entry_superseded_while_the_writer_reads_it_goes_when_it_is_done_and_a_tail_is_allowed(make_pool,
                                                                                                  tmp_path):
-    gate, reading = threading.Event(), threading.Event()
     pool = tiered(make_pool, tmp_path)
-
-    def hold(name):
-        if name == "data" and not gate.is_set():
-            reading.set()
-            gate.wait(10)
-
-    pool.disk._stage = hold
+    gate, reading = hold_the_writer(pool)
     old = pool.put(MODEL, token_ids(1, 20) + [7, 7], [KVArray("k", cells(1, 22), 1)])  # two tokens the next lacks
     pool.release(old.id)
     assert reading.wait(10)
