@@ -2,10 +2,12 @@
 
 Once a pool has a disk tier (`attach_disk`), every entry it commits is queued for a writer thread
 that copies the entry's live bytes into a file of the tier (one copy, off the caller's path: the
-step never waits for a disk). While it writes, the writer holds a view of the entry, so the
+step never waits for a disk), SPILL_DELAY_SECONDS after the commit, so an entry superseded or
+dropped before is never written. While it writes, the writer holds a view of the entry, so the
 entry is neither evicted nor moved by compaction under it. An entry the tier holds a copy of is
-the first the memory tier evicts (it loses only a read back); an entry evicted before its turn
-came is gone, as without a tier.
+the first the memory tier evicts (it loses only a read back); one evicted before the writer took
+it (within its delay, or queued) is copied into the page cache by the evicting thread as it
+goes, and the writer flushes and names that file.
 
 `lookup` covers both tiers: a disk entry is returned (marked `on_disk`) only where it holds more
 of the tokens than any entry in memory. `load` reads it into a new memory entry, verified on the
@@ -38,6 +40,7 @@ MOVED_BELOW_REMEMBERED = 16384
 # it (the segment keeps the entry); a power cut loses at most this much of the latest parks
 # (their tokens are in the session log). Memory evicting an entry first writes it then.
 SPILL_DELAY_SECONDS = 2.0
+MAX_SPILL_DELAY_SECONDS = 3600.0
 CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
 SCAN_POLL_SECONDS = 0.1
 LOG = logging.getLogger("kvpool.tiering")
@@ -51,10 +54,13 @@ class Tiered:
     _sealing: EntryRecord | None = None  # evicted, its file being flushed by the writer
     _sealing_tokens = None  # (and that file's token ids)
 
-    def attach_disk(self, tier: DiskTier, *, delay: float = SPILL_DELAY_SECONDS) -> None:
+    def attach_disk(self, tier: DiskTier, *, delay: float | None = None) -> None:
         """Keep this pool's entries on `tier` too, from now on: every ready entry is queued for it
-        now, each committed later `delay` seconds after its commit, unless it is dropped first
-        (the pool closes the tier when it closes)."""
+        now, each committed later `delay` seconds (default SPILL_DELAY_SECONDS, at most an hour)
+        after its commit, unless it is dropped first (the pool closes the tier when it closes)."""
+        delay = SPILL_DELAY_SECONDS if delay is None else delay
+        if not 0 <= delay <= MAX_SPILL_DELAY_SECONDS:  # (NaN too)
+            raise ValueError(f"delay={delay!r}: seconds from 0 to {MAX_SPILL_DELAY_SECONDS:g}")
         with self._lock:
             self._check_open()
             if self._disk is not None:

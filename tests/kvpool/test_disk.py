@@ -110,6 +110,15 @@ def test_an_entry_is_written_once_its_delay_is_over_and_one_superseded_before_ne
     assert soon.disk_stats().writes == 1
 
 
+def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
+    pool = make_pool(1 << 20)
+    with DiskTier(tmp_path, ENOUGH, headroom=0, scan=False) as tier:
+        for delay in (-1, float("nan"), float("inf"), 7200):
+            with pytest.raises(ValueError, match="seconds from 0 to 3600"):
+                pool.attach_disk(tier, delay=delay)
+    assert pool.disk is None
+
+
 def test_an_entry_evicted_within_its_delay_is_written_as_it_goes(make_pool, tmp_path):
     pool = tiered(make_pool, tmp_path, size=1 << 20, delay=3600)
     info = put(pool, 1, 32)

@@ -53,7 +53,7 @@ def test_deleting_or_expiring_a_session_erases_it_from_disk_and_retiring_keeps_i
     for session in (kept, deleted, expired, retired):
         session.append_text(TEXT)
         session.complete(max_tokens=2)
-    clock.advance(6)  # past idle_park_seconds: the idle lanes are parked, and so written to disk
+    clock.advance(6)  # past idle_park_seconds: the idle lanes are parked, and so queued for the disk
     idle_rounds_until(host, lambda: host.stats().lanes == 0)
     tags = {e.tag for e in parked_on_disk(host)}
     assert {f"session:{s.id}" for s in (kept, deleted, expired, retired)} <= tags
@@ -78,10 +78,10 @@ def test_the_disk_budget_holds_under_a_stream_of_parks(open_host, clock):
         session = host.session()
         session.append_text(f"{i}: {TEXT * 3}")
         session.complete(max_tokens=2)
-        clock.advance(6)  # its lane idle past idle_park_seconds: parked, and so written to disk
+        clock.advance(6)  # its lane idle past idle_park_seconds: parked, and so queued for the disk
         idle_rounds_until(host, lambda: host.stats().lanes == 0)
+        assert host.pool.wait_spilled(60)  # written now (else 2 s after the park)
         assert host.pool.disk_stats().bytes_used <= budget
-    assert host.pool.wait_spilled(60)
     disk = host.stats().tiers["disk"]
     assert disk.bytes_used <= budget and disk.budget_bytes == budget and disk.evictions > 0
 
