@@ -309,3 +309,33 @@ def test_closing_waits_for_a_read_from_disk_on_a_callers_thread(open_host, monke
     closing.join(60)
     preparing.join(60)
     assert closed == [None] and len(prepared) == 1 and not host.alive()
+
+
+def test_a_lane_whose_memory_match_is_evicted_before_its_import_starts_from_the_disk_copy(open_host, monkeypatch):
+    # Between the lookup and the import, a park making room (or another thread's read from disk)
+    # may evict the entry found in memory: the lane looks once more and finds its file.
+    from superfluid.host.kv import KVManager
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    host = open_host()
+    prompt = TEXT * 6
+    _, first = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)), GenerateRequest(max_tokens=2))
+    first.collect()
+    assert host.pool.wait_spilled(60)
+    imported = KVManager._import
+    evicted = []
+
+    def evicted_first(kv, live, entry, keep):
+        if not evicted:
+            evicted.append(entry)
+            kv.pool.shed(0)  # memory lets it go just now: only the file is left
+        return imported(kv, live, entry, keep)
+
+    monkeypatch.setattr(KVManager, "_import", evicted_first)
+    prepared = host.prepare(Prompt(text=prompt + " Again."))
+    assert prepared.warmed is None  # memory held it as the request was prepared
+    _, generation = host.call(host.commands.start_request, prepared, GenerateRequest(max_tokens=2))
+    generation.collect()
+    assert evicted and generation.cached_tokens >= generation.prompt_tokens - 8  # not prefilled
+    tiers = host.stats().tiers
+    assert tiers["disk"].hits == 1 and tiers["memory"].hits == 0
