@@ -18,8 +18,13 @@ llama.cpp's llama-server and with the same bytes read plainly from the same disk
    prefilling only the new messages.
 4. Decode while the tier writes: streams decoding past checkpoints (each a park the tier writes
    in the background) on serve with the tier and without it, sample by sample. Goal: 1.
+5. Documents beside chats while the tier writes: traffic.py's shape that parks the most bytes
+   while it computes (three ~1,800-token documents sent together, a one-line chat every second),
+   on serve with the tier and without it, round by round (new texts each round, the order of the
+   two servers swapped every round). Figures: the documents' wall time, the chats' first token.
+   Goal: 1.
 
-    .venv/bin/python benchmarks/disk_tier.py [--quick] [--parts reboot,restore,returning,decode]
+    .venv/bin/python benchmarks/disk_tier.py [--quick] [--parts reboot,restore,returning,decode,documents]
 """
 
 from __future__ import annotations
@@ -39,14 +44,13 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import servers  # noqa: E402
+from benchmarks import servers, traffic  # noqa: E402
 from benchmarks.conversations import turn  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.texts import text_of  # noqa: E402
-from benchmarks.traffic import streamed_tokens  # noqa: E402
 
 GROUP = "disk tier: after a reboot, ten times memory, restore speed, decode beside its writes"
-PARTS = ("reboot", "restore", "returning", "decode")
+PARTS = ("reboot", "restore", "returning", "decode", "documents")
 
 
 class DiskSizes(NamedTuple):
@@ -57,12 +61,13 @@ class DiskSizes(NamedTuple):
     restore_repeat: int
     decode_tokens: int
     decode_repeat: int
+    documents_rounds: int  # rounds of the documents shape on each server
 
 
 FULL = DiskSizes(document=1500, samples=5, memory_conversations=8, returning=80, restore_repeat=7,
-                 decode_tokens=512, decode_repeat=5)
+                 decode_tokens=512, decode_repeat=5, documents_rounds=4)
 QUICK = DiskSizes(document=200, samples=2, memory_conversations=2, returning=6, restore_repeat=2,
-                  decode_tokens=64, decode_repeat=1)
+                  decode_tokens=64, decode_repeat=1, documents_rounds=1)
 CELL_BYTES = 23_040  # SmolLM2-135M's KV per token (30 layers x K and V x 3 heads x 64 x f16)
 
 
@@ -291,7 +296,7 @@ def decode_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: str,
                                           pool=f"bench-dec-off-{os.getpid()}", extra=("--disk-tier", "no")))
         names = ["ours with the disk tier", "ours without it"]
         for served in running:
-            streamed_tokens(served, "Hello.", 4)
+            traffic.streamed_tokens(served, "Hello.", 4)
         for count in (1, 4):
             rates: dict[str, list[float]] = {name: [] for name in names}
             for r in range(sizes.decode_repeat):
@@ -299,7 +304,7 @@ def decode_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: str,
                     prompts = [f"Write about {text_of(8, salt=300 + 10 * r + i)}." for i in range(count)]
                     start = time.perf_counter()
                     with ThreadPoolExecutor(count) as workers:
-                        generated = sum(workers.map(lambda p: streamed_tokens(served, p, sizes.decode_tokens),
+                        generated = sum(workers.map(lambda p: traffic.streamed_tokens(served, p, sizes.decode_tokens),
                                                     prompts))
                     rates[name].append(generated / (time.perf_counter() - start))
             for name in names:
@@ -310,6 +315,47 @@ def decode_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: str,
             tick(f"decode, {count} at once")
         run.note("decode: the tier's writes meanwhile", running[0].metrics("superfluid_kv_tier_bytes_written"))
         run.note("decode: checkpoints", json.loads(running[0].get("/health")).get("kv", {}))
+    finally:
+        for served in running:
+            served.stop()
+
+
+def documents_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: str,
+                            tick: Callable[[str], None]) -> None:
+    """traffic.py's documents beside chats on serve with and without the tier, round by round."""
+    shape = traffic.FULL if sizes is FULL else traffic.QUICK
+    names = ["ours with the disk tier", "ours without it"]
+    running = []
+    try:
+        running.append(servers.start_ours(model, None, own_folder(scratch, "documents-on"),
+                                          pool=f"bench-doc-on-{os.getpid()}",
+                                          extra=("--disk-dir", str(Path(scratch) / "documents-tier"))))
+        running.append(servers.start_ours(model, None, own_folder(scratch, "documents-off"),
+                                          pool=f"bench-doc-off-{os.getpid()}", extra=("--disk-tier", "no")))
+        for served in running:
+            traffic.chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
+        written_before = running[0].metrics("superfluid_kv_tier_bytes_written")
+        done: dict[str, list[float]] = {name: [] for name in names}
+        waits: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(sizes.documents_rounds):
+            for name, served in (list(zip(names, running)) if r % 2 == 0 else list(zip(names, running))[::-1]):
+                once = Run("documents-round")
+                traffic.documents_beside_chats(once, served, shape, salt=1 + r)
+                done[name] += once.figures[f"{served.label}: {traffic.label_documents(shape)}"].samples
+                waits[name] += once.figures[f"{served.label}: {traffic.CHATS}"].samples
+            tick(f"documents beside chats, round {r + 1} of {sizes.documents_rounds}")
+        for name in names:
+            run.record(f"{name}: documents beside chats, documents done", done[name])
+            run.record(f"{name}: the chats' first token", sorted(waits[name]))
+        run.ratio("documents beside chats, documents done: without the tier / with it (goal 1)",
+                  ours="ours with the disk tier: documents beside chats, documents done",
+                  baseline="ours without it: documents beside chats, documents done", group=GROUP)
+        run.ratio("the chats' first token: without the tier / with it",
+                  ours="ours with the disk tier: the chats' first token",
+                  baseline="ours without it: the chats' first token", group=GROUP)
+        written = running[0].metrics("superfluid_kv_tier_bytes_written")
+        run.note("documents: the tier's writes meanwhile, bytes",
+                 {key: written[key] - written_before.get(key, 0) for key in written})
     finally:
         for served in running:
             served.stop()
@@ -334,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     tick = lambda step: print(step, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as scratch:
         for part, bench in (("reboot", after_a_reboot), ("restore", restore_speed), ("returning", returning_users),
-                            ("decode", decode_beside_writes)):
+                            ("decode", decode_beside_writes), ("documents", documents_beside_writes)):
             if part in parts:
                 bench(run, model, sizes, scratch, tick)
     print(run.table())

@@ -146,22 +146,23 @@ def label_conversations(sizes: TrafficSizes) -> str:
             f"{sizes.clients} clients")
 
 
-def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes) -> None:
+def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes, salt: int = 0) -> None:
     """`documents` long requests at once, and a one-line chat every `chat_every` s until they are
     done and `chats` chats were sent (each on a thread of its own, so none waits for a client);
-    the documents' wall time, each chat's first-token time."""
+    the documents' wall time, each chat's first-token time. Another `salt` sends other texts (no
+    cache holds them from an earlier round)."""
     start = time.perf_counter()
     waits: list[float] = []
 
     def document(d: int) -> float:
         messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"{text_of(sizes.long, salt=4000 + d)}\n\nSummarise this."}]
+                    {"role": "user", "content": f"{text_of(sizes.long, salt=4000 + 100 * salt + d)}\n\nSummarise this."}]
         chat(served, messages, sizes.reply)
         return time.perf_counter() - start
 
     def one_chat(c: int) -> None:
         messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Say hello to {text_of(3, salt=c)}."}]
+                    {"role": "user", "content": f"Say hello to {text_of(3, salt=1000 * salt + c)}."}]
         waits.append(servers.first_text_seconds(served.client, served.model, messages, 8, temperature=0.0,
                                                 extra_body=served.exact(8)))
 
