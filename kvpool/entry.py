@@ -66,6 +66,7 @@ class EntryRecord:
     supersedes: list[int] = field(default_factory=list)  # disk copies of shorter entries it replaced: go once it has one
     superseded_by: "EntryRecord | None" = None  # replaced while being read: dropped when the last view closes
     erased: bool = False  # its owner was deleted: never written to disk
+    spill_not_before: float = 0.0  # (monotonic) its owner expects to replace it before then: not written sooner
 
     @property
     def id(self) -> int:

@@ -21,6 +21,7 @@ tier's lock only inside the pool's, never the other way round.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ MOVED_BELOW_REMEMBERED = 16384
 # it (the segment keeps the entry); a power cut loses at most this much of the latest parks
 # (their tokens are in the session log). Memory evicting an entry first writes it then.
 SPILL_DELAY_SECONDS = 2.0
+# (An owner that knows better says so per entry: defer_spill.)
 MAX_SPILL_DELAY_SECONDS = 3600.0
 CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
 SCAN_POLL_SECONDS = 0.1
@@ -71,9 +73,9 @@ class Tiered:
             self._disk = tier
             self._spill_delay = delay
             now = time.monotonic()
-            # (entry id, when it is due), in the order they are due
-            self._spill_queue: collections.deque[tuple[int, float]] = collections.deque(
-                (entry_id, now) for entry_id in sorted(self._entries))
+            # (when it is due, entry id): a heap, as an entry deferred (defer_spill) goes back in later
+            self._spill_queue: list[tuple[float, int]] = [(now, entry_id) for entry_id in sorted(self._entries)]
+            heapq.heapify(self._spill_queue)
             self._hurried = 0  # callers waiting for everything queued (wait_spilled, close): no delay
             self._seal_queue: collections.deque[tuple[PendingWrite, EntryRecord]] = collections.deque()
             self._spill_wake = threading.Condition(self._lock)
@@ -91,6 +93,19 @@ class Tiered:
     def disk_stats(self) -> DiskStats | None:
         """A snapshot of the disk tier (None without one)."""
         return None if self._disk is None else self._disk.stats()
+
+    def defer_spill(self, entry_id: int, seconds: float) -> None:
+        """Entry `entry_id`'s owner expects to replace it within `seconds` (a lane that goes on
+        after a checkpoint parks again at its end): the writer copies it no sooner than that after
+        now, instead of after the pool's delay, so that the copy is usually never made. Memory
+        evicting it first writes it then, like any entry, and `wait_spilled` and close write it
+        at once. Nothing without a disk tier or for an entry no longer in memory."""
+        if not 0 <= seconds <= MAX_SPILL_DELAY_SECONDS:  # (NaN too)
+            raise ValueError(f"seconds={seconds!r}: from 0 to {MAX_SPILL_DELAY_SECONDS:g}")
+        with self._lock:
+            record = self._entries.get(entry_id)
+            if self._tier() is not None and record is not None:
+                record.spill_not_before = max(record.spill_not_before, time.monotonic() + seconds)
 
     def wait_spilled(self, timeout: float | None = None) -> bool:
         """Write every entry queued for the disk tier now, without its delay, and wait until all
@@ -189,7 +204,7 @@ class Tiered:
     def _queue_spill(self, record: EntryRecord) -> None:
         """Queue a committed entry for the disk tier (under the pool's lock)."""
         if self._tier() is not None and record.disk_id is None and not record.erased:
-            self._spill_queue.append((record.id, time.monotonic() + self._spill_delay))
+            heapq.heappush(self._spill_queue, (time.monotonic() + self._spill_delay, record.id))
             self._spill_wake.notify_all()
 
     def _spilled(self) -> bool:
@@ -341,7 +356,7 @@ class Tiered:
                 self._sealing = self._sealing_tokens = None
                 self._spill_wake.notify_all()
                 while not (self._seal_queue or self._spill_stop or self._spill_due()):
-                    self._spill_wake.wait(self._spill_queue[0][1] - time.monotonic() if self._spill_queue else None)
+                    self._spill_wake.wait(self._spill_queue[0][0] - time.monotonic() if self._spill_queue else None)
                 if self._spill_stop:
                     return
                 self._spill_busy = True
@@ -352,7 +367,7 @@ class Tiered:
 
     def _spill_due(self) -> bool:
         """Whether the next queued entry is due (or someone waits for all of them), under the lock."""
-        return bool(self._spill_queue) and (self._hurried > 0 or self._spill_queue[0][1] <= time.monotonic())
+        return bool(self._spill_queue) and (self._hurried > 0 or self._spill_queue[0][0] <= time.monotonic())
 
     def _spill_one(self) -> None:
         """Write the next queued file: one evicted (flushed and named), else one committed."""
@@ -361,8 +376,12 @@ class Tiered:
                 pending, self._sealing = self._seal_queue.popleft()
                 self._sealing_tokens = pending.tokens
             else:
-                pending, record = None, self._entries.get(self._spill_queue.popleft()[0])
+                _, entry_id = heapq.heappop(self._spill_queue)
+                pending, record = None, self._entries.get(entry_id)
                 if record is None or record.disk_id is not None or record.erased or record.extending:
+                    return
+                if record.spill_not_before > time.monotonic() and not self._hurried:
+                    heapq.heappush(self._spill_queue, (record.spill_not_before, entry_id))  # deferred
                     return
                 record.views += 1  # neither evicted nor moved while its bytes are read
         if pending is not None:  # written as its entry was evicted: flush and name it

@@ -47,6 +47,11 @@ INTERACTIVE = Priority.INTERACTIVE
 # the lane kept is this many tokens or fewer: the last turn's reply tokens as the next turn's
 # prompt renders them again (a retry of that turn recomputes at most these).
 SUPERSEDED_TAIL = 64
+# A park of a lane that goes on generating (the end of a prompt, a checkpoint) is replaced by the
+# lane's next park, usually within seconds: the disk tier writes it only if it is still the latest
+# this long after (or memory evicts it first). A power cut meanwhile loses that KV, not the
+# session's tokens (the log has them); a process crash loses nothing (the segment keeps it).
+PROVISIONAL_SPILL_SECONDS = 30.0
 
 
 class Source(NamedTuple):
@@ -433,6 +438,8 @@ class KVManager:
                 # cost like any cached entry (the session then prefills from its log); only a
                 # pinned session's stays. A swapped-out generation holds one until it resumes.
                 self.pool.release(info.id)
+                if keep_lane and live.job is not None:
+                    self.pool.defer_spill(info.id, PROVISIONAL_SPILL_SECONDS)
                 self.sessions.parked(live, info.id, live.kv)
                 self.follow_pin(live)
                 if self.memory.kind == "kv":

@@ -138,6 +138,34 @@ def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
     assert pool.disk is None
 
 
+def test_an_entry_its_owner_will_replace_is_written_only_once_its_deferral_is_over(make_pool, tmp_path):
+    pool = tiered(make_pool, tmp_path, delay=0.05)
+    provisional = put(pool, 1, 20, tag="session:a")
+    pool.defer_spill(provisional.id, 3600)  # its lane goes on and parks again at its end
+    plain = put(pool, 2, 20)
+    for _ in range(200):  # the plain entry is written once its own delay is over; the other waits
+        if pool.disk_stats().writes:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # (the writer has taken the deferred entry off the queue and put it back by now)
+    assert [e.tokens for e in pool.disk.entries()] == [20] and pool.disk_stats().writes == 1
+    final = put(pool, 1, 30, tag="session:a")  # the lane's next park replaces it: never written
+    assert pool.supersede(provisional.id, final.id)
+    assert pool.wait_spilled(10) and pool.disk_stats().writes == 2
+    assert sorted(e.tokens for e in pool.disk.entries()) == [20, 30]
+    # one still deferred is written at once by whoever waits for everything, and on eviction
+    waited = put(pool, 3, 20)
+    pool.defer_spill(waited.id, 3600)
+    assert pool.wait_spilled(10) and pool.disk_stats().writes == 3
+    evicted = put(pool, 4, 20)
+    pool.defer_spill(evicted.id, 3600)
+    pool.shed(0)  # memory makes room: everything else is on disk already
+    assert pool.stats().evicted_unspilled == 1 and pool.wait_spilled(10)
+    assert pool.lookup(MODEL, token_ids(4, 20)).on_disk and plain.id != evicted.id
+    with pytest.raises(ValueError, match="from 0 to 3600"):
+        pool.defer_spill(evicted.id, float("nan"))
+
+
 def test_an_entry_evicted_within_its_delay_is_written_as_it_goes(make_pool, tmp_path):
     pool = tiered(make_pool, tmp_path, size=1 << 20, delay=3600)
     info = put(pool, 1, 32)

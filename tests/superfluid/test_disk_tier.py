@@ -215,6 +215,28 @@ def test_a_conversation_of_one_shot_requests_keeps_one_entry_as_it_comes_back(op
     assert len(host.pool.entries()) == 1 and host.pool.stats().superseded == 3
 
 
+def test_a_park_its_lane_will_replace_is_deferred_for_the_disk_and_the_last_one_is_not(open_host, monkeypatch):
+    # A request parks at the end of its prompt (published for others) and again at its end; the
+    # first is replaced within seconds, so the disk tier writes it only if it outlives the
+    # deferral (else a long prompt was written twice, a whole entry each time).
+    from superfluid.host.kv import PROVISIONAL_SPILL_SECONDS
+    from superfluid.host.request import GenerateRequest, Prompt
+
+    host = open_host()
+    deferred: list[tuple[int, float]] = []
+    defer = host.pool.defer_spill
+    monkeypatch.setattr(host.pool, "defer_spill", lambda entry_id, seconds: (
+        deferred.append((entry_id, seconds)), defer(entry_id, seconds))[-1])
+    prepared = host.prepare(Prompt(text=TEXT * 30))
+    assert len(prepared.tokens) >= 256  # past the publishing threshold
+    _, generation = host.call(host.commands.start_request, prepared, GenerateRequest(max_tokens=4))
+    generation.collect()
+    entries = parked_on_disk(host)
+    assert len(deferred) == 1 and deferred[0][1] == PROVISIONAL_SPILL_SECONDS
+    assert deferred[0][0] not in {e.id for e in host.pool.entries()}  # superseded by the last park
+    assert [e.tokens for e in entries] == [len(prepared.tokens) + 3] and host.pool.disk_stats().writes == 1
+
+
 def test_conversations_returning_from_disk_keep_one_file_each(open_host):
     # More conversations than memory holds: a returning turn loads the last one's entry from disk,
     # memory may evict that copy for room before the turn parks, and its file must still go (else
