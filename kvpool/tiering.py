@@ -7,9 +7,7 @@ expects to replace it: `defer_spill`), so an entry superseded or dropped before 
 entry is neither evicted nor moved by compaction under it. An entry the tier holds a copy of is
 the first the memory tier evicts (it loses only a read back); one evicted before the writer took
 it (within its delay, or queued) is copied into the page cache by the evicting thread as it
-goes, and the writer flushes and names that file. The writer runs at a lower CPU priority than
-the engine (kvpool.priority): on a machine with few cores its copy would otherwise be taken from a
-forward in flight.
+goes, and the writer flushes and names that file.
 
 `lookup` covers both tiers: a disk entry is returned (marked `on_disk`) only where it holds more
 of the tokens than any entry in memory. `load` reads it into a new memory entry, verified on the
@@ -33,7 +31,6 @@ from kvpool.entry import EntryInfo, EntryRecord
 from kvpool.errors import EntryNotFound, PoolError
 from kvpool.layout import ArrayLayout
 from kvpool.prefix import PrefixMatch, common_prefix
-from kvpool.priority import lower_this_thread
 
 # How many entries evicted to the disk tier the pool remembers by their memory id, so that their
 # owner's next park can still supersede them there (older ones are left to the tier's eviction).
@@ -345,7 +342,6 @@ class Tiered:
         self._disk.close()
 
     def _spill_loop(self) -> None:
-        lower_this_thread()
         while not self._disk.wait_scanned(SCAN_POLL_SECONDS):  # (so an entry already on disk is found, not
             with self._lock:                                  # written twice)
                 if self._spill_stop:

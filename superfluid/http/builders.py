@@ -10,7 +10,7 @@ stream's longest gap between tokens went from 279-366 ms to 27-187 ms, and the h
 took 10 s to be answered instead of 6.
 
 Linux keeps a nice value per thread (setpriority on a thread id); elsewhere the threads keep the
-process's priority. The disk tier's writer runs at the same lower priority.
+process's priority.
 """
 
 from __future__ import annotations
@@ -18,18 +18,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvpool.priority import BACKGROUND_NICENESS, lower_this_thread
-
-NICENESS = BACKGROUND_NICENESS  # added to the process's nice value for the builder threads (Linux)
+NICENESS = 10  # added to the process's nice value for the builder threads (Linux)
 
 T = TypeVar("T")
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _lower_priority() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS))
+        except OSError:  # a sandbox that forbids it: the thread keeps the process's priority
+            pass
 
 
 def _builders() -> concurrent.futures.ThreadPoolExecutor:
@@ -38,7 +46,7 @@ def _builders() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:  # as many threads as asyncio.to_thread's default pool
             _pool = concurrent.futures.ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4),
                                                           thread_name_prefix="superfluid-build",
-                                                          initializer=lower_this_thread, initargs=(NICENESS,))
+                                                          initializer=_lower_priority)
         return _pool
 
 

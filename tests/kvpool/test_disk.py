@@ -21,7 +21,6 @@ import pytest
 from kvpool import DataCorrupt, EntryBusy, EntryNotFound, KVArray, PoolError, disk_format
 from kvpool.budget import default_disk_budget
 from kvpool.disk import DiskTier
-from kvpool.priority import BACKGROUND_NICENESS
 from tests.kvpool import disk_crash_writer as crash
 
 MODEL = "model-a"
@@ -109,24 +108,6 @@ def test_an_entry_is_written_once_its_delay_is_over_and_one_superseded_before_ne
             break
         time.sleep(0.05)
     assert soon.disk_stats().writes == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
-def test_the_writer_copies_at_a_lower_cpu_priority_than_the_caller(make_pool, tmp_path):
-    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    pool = tiered(make_pool, tmp_path)
-    seen: list[tuple[int, str]] = []
-
-    def note(stage: str) -> None:  # runs on the thread that copies the entry's bytes
-        if stage == "data":
-            seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
-                         threading.current_thread().name))
-
-    pool.disk._stage = note
-    put(pool, 1, 20)
-    assert pool.wait_spilled(10) and pool.disk_stats().writes == 1
-    assert seen == [(min(19, own + BACKGROUND_NICENESS), f"kvpool-spill-{pool.name}")]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's is untouched
 
 
 def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
