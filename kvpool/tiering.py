@@ -201,8 +201,10 @@ class Tiered:
     def _queue_spill(self, record: EntryRecord) -> None:
         """Queue a committed entry for the disk tier (under the pool's lock)."""
         if self._tier() is not None and record.disk_id is None and not record.erased:
-            heapq.heappush(self._spill_queue, (time.monotonic() + self._spill_delay, record.id))
-            self._spill_wake.notify_all()
+            due = (time.monotonic() + self._spill_delay, record.id)
+            heapq.heappush(self._spill_queue, due)
+            if self._spill_queue[0] is due:  # else the writer already wakes before it is due: a wake-up
+                self._spill_wake.notify_all()  # per park would take the interpreter's lock from the step
 
     def _spilled(self) -> bool:
         """Nothing queued for the writer, and nothing being written (under the lock)."""
