@@ -490,6 +490,7 @@ class Pool(Compacting, Tiered):
             record.header = new
             if record.extending:
                 record.extending = False
+                record.spill_not_before = 0.0  # the cells its owner would have replaced it with are here
                 self._counters.extends += 1
                 self._forget_disk_copy(record)
             else:
@@ -507,6 +508,7 @@ class Pool(Compacting, Tiered):
         with self._lock:
             if record.extending:
                 record.extending = False
+                self._queue_spill(record)  # (the writer passes over an entry being extended)
                 return
             del self._writing[record.id]
             self._release(record)

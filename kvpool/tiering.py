@@ -36,12 +36,12 @@ from kvpool.prefix import PrefixMatch, common_prefix
 # owner's next park can still supersede them there (older ones are left to the tier's eviction).
 MOVED_BELOW_REMEMBERED = 16384
 # How long a committed entry waits before the writer copies it to disk. Most parks are superseded
-# within seconds (a long prompt checkpoints every few hundred tokens, a conversation parks each
-# turn), and an entry dropped before its turn is never written. A process crash loses nothing by
-# it (the segment keeps the entry); a power cut loses at most this much of the latest parks
-# (their tokens are in the session log). Memory evicting an entry first writes it then.
+# within seconds (a conversation parks each turn, a lane parks again at its end), and an entry
+# dropped before its turn is never written. A process crash loses nothing by it (the segment keeps
+# the entry); a power cut loses the latest parks still waiting (this long, or as long as their
+# owner deferred them: defer_spill), not their tokens (the session log has them). Memory evicting
+# an entry first writes it then.
 SPILL_DELAY_SECONDS = 2.0
-# (An owner that knows better says so per entry: defer_spill.)
 MAX_SPILL_DELAY_SECONDS = 3600.0
 CLOSE_DRAIN_SECONDS = 60.0  # at close, what the writer has not written by then stays in the segment only
 SCAN_POLL_SECONDS = 0.1
@@ -93,16 +93,25 @@ class Tiered:
 
     def defer_spill(self, entry_id: int, seconds: float) -> None:
         """Entry `entry_id`'s owner expects to replace it within `seconds` (a lane that goes on
-        after a checkpoint parks again at its end): the writer copies it no sooner than that after
-        now, instead of after the pool's delay, so that the copy is usually never made. Memory
-        evicting it first writes it then, like any entry, and `wait_spilled` and close write it
-        at once. Nothing without a disk tier or for an entry no longer in memory."""
+        after a checkpoint parks again at its end): the writer copies it no sooner than `seconds`
+        from now, instead of after the pool's delay, so that the copy is usually never made.
+        Called again it moves that time, earlier too: `seconds=0` ends a deferral (the owner will
+        not replace it after all). Memory evicting it first writes it then, like any entry, and
+        `wait_spilled` and close write it at once. Nothing without a disk tier, for an entry no
+        longer in memory, or to end the deferral of one never deferred."""
         if not 0 <= seconds <= MAX_SPILL_DELAY_SECONDS:  # (NaN too)
             raise ValueError(f"seconds={seconds!r}: from 0 to {MAX_SPILL_DELAY_SECONDS:g}")
         with self._lock:
             record = self._entries.get(entry_id)
-            if self._tier() is not None and record is not None:
-                record.spill_not_before = max(record.spill_not_before, time.monotonic() + seconds)
+            if self._tier() is None or record is None or (seconds == 0 and not record.spill_not_before):
+                return
+            now = time.monotonic()
+            earlier = now + seconds < record.spill_not_before
+            record.spill_not_before = now + seconds
+            if earlier and record.disk_id is None and not record.erased:
+                # its place in the queue is at the old time: one more at the new (a pop finds the
+                # entry written, or deferred, and skips it)
+                self._queue_spill(record, now + seconds)
 
     def wait_spilled(self, timeout: float | None = None) -> bool:
         """Write every entry queued for the disk tier now, without its delay, and wait until all
@@ -198,10 +207,11 @@ class Tiered:
         """True when the disk tier holds a copy of `record`'s cells (under the pool's lock)."""
         return record.disk_id is not None and self._disk is not None and self._disk.has(record.disk_id)
 
-    def _queue_spill(self, record: EntryRecord) -> None:
-        """Queue a committed entry for the disk tier (under the pool's lock)."""
+    def _queue_spill(self, record: EntryRecord, when: float | None = None) -> None:
+        """Queue a committed entry for the disk tier, due after the pool's delay or at `when`
+        (monotonic), under the pool's lock."""
         if self._tier() is not None and record.disk_id is None and not record.erased:
-            due = (time.monotonic() + self._spill_delay, record.id)
+            due = (time.monotonic() + self._spill_delay if when is None else when, record.id)
             heapq.heappush(self._spill_queue, due)
             if self._spill_queue[0] is due:  # else the writer already wakes before it is due: a wake-up
                 self._spill_wake.notify_all()  # per park would take the interpreter's lock from the step

@@ -47,10 +47,11 @@ INTERACTIVE = Priority.INTERACTIVE
 # the lane kept is this many tokens or fewer: the last turn's reply tokens as the next turn's
 # prompt renders them again (a retry of that turn recomputes at most these).
 SUPERSEDED_TAIL = 64
-# A park of a lane that goes on generating (the end of a prompt, a checkpoint) is replaced by the
-# lane's next park, usually within seconds: the disk tier writes it only if it is still the latest
-# this long after (or memory evicts it first). A power cut meanwhile loses that KV, not the
-# session's tokens (the log has them); a process crash loses nothing (the segment keeps it).
+# A park of plain KV by a lane that goes on generating (the end of a prompt, a checkpoint) is
+# superseded by the lane's next park, usually within seconds: the disk tier writes it only if it
+# is still the latest this long after (or memory evicts it first). A power cut meanwhile loses
+# that KV, not the session's tokens (the log has them); a process crash loses nothing (the segment
+# keeps it). (Other memory kinds keep each checkpoint: a restore point, never superseded.)
 PROVISIONAL_SPILL_SECONDS = 30.0
 
 
@@ -438,7 +439,7 @@ class KVManager:
                 # cost like any cached entry (the session then prefills from its log); only a
                 # pinned session's stays. A swapped-out generation holds one until it resumes.
                 self.pool.release(info.id)
-                if keep_lane and live.job is not None:
+                if keep_lane and live.job is not None and self.memory.kind == "kv":
                     self.pool.defer_spill(info.id, PROVISIONAL_SPILL_SECONDS)
                 self.sessions.parked(live, info.id, live.kv)
                 self.follow_pin(live)
@@ -453,6 +454,10 @@ class KVManager:
                     if live.started_from not in (None, previous, info.id):
                         self.pool.supersede(live.started_from, info.id, tail=SUPERSEDED_TAIL)
                 live.started_from = None
+        elif not keep_lane and live.entry is not None:
+            # the lane leaves with what it parked last (a request that ended at its first token
+            # parked only the end of its prompt): nothing will supersede that soon
+            self.pool.defer_spill(live.entry, 0)
         if hold and live.held is None and self._parked_as_is(live):
             self.pool.share(live.entry)
             live.held = live.entry

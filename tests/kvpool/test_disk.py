@@ -120,29 +120,42 @@ def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
 
 
 def test_an_entry_its_owner_will_replace_is_written_only_once_its_deferral_is_over(make_pool, tmp_path):
-    pool = tiered(make_pool, tmp_path, delay=0.05)
+    pool = tiered(make_pool, tmp_path, delay=0.5)  # (long enough that each deferral below comes first)
+
+    def written(count: int) -> bool:
+        for _ in range(400):  # by the writer on its own, once due (nobody waits for everything)
+            if pool.disk_stats().writes >= count:
+                return pool.disk_stats().writes == count
+            time.sleep(0.05)
+        return False
+
     provisional = put(pool, 1, 20, tag="session:a")
     pool.defer_spill(provisional.id, 3600)  # its lane goes on and parks again at its end
-    plain = put(pool, 2, 20)
-    for _ in range(200):  # the plain entry is written once its own delay is over; the other waits
-        if pool.disk_stats().writes:
-            break
-        time.sleep(0.05)
-    time.sleep(0.2)  # (the writer has taken the deferred entry off the queue and put it back by now)
-    assert [e.tokens for e in pool.disk.entries()] == [20] and pool.disk_stats().writes == 1
-    final = put(pool, 1, 30, tag="session:a")  # the lane's next park replaces it: never written
+    put(pool, 2, 24)
+    assert written(1)  # the plain entry, once its own delay is over; the other waits
+    time.sleep(0.6)  # (the writer has taken the deferred entry off the queue and put it back by now)
+    assert [e.tokens for e in pool.disk.entries()] == [24] and pool.disk_stats().writes == 1
+    final = put(pool, 1, 30, tag="session:a")  # the lane's next park supersedes it: never written
     assert pool.supersede(provisional.id, final.id)
-    assert pool.wait_spilled(10) and pool.disk_stats().writes == 2
-    assert sorted(e.tokens for e in pool.disk.entries()) == [20, 30]
+    assert written(2) and sorted(e.tokens for e in pool.disk.entries()) == [24, 30]
+    # a deferral that runs out is written by the writer on its own; one ended (its owner will
+    # not replace it after all) is written at once
+    short = put(pool, 3, 28)
+    pool.defer_spill(short.id, 1.0)
+    assert written(3) and 28 in [e.tokens for e in pool.disk.entries()]
+    ended = put(pool, 4, 32)
+    pool.defer_spill(ended.id, 3600)
+    pool.defer_spill(ended.id, 0)
+    assert written(4) and 32 in [e.tokens for e in pool.disk.entries()]
     # one still deferred is written at once by whoever waits for everything, and on eviction
-    waited = put(pool, 3, 20)
+    waited = put(pool, 5, 20)
     pool.defer_spill(waited.id, 3600)
-    assert pool.wait_spilled(10) and pool.disk_stats().writes == 3
-    evicted = put(pool, 4, 20)
+    assert pool.wait_spilled(10) and pool.disk_stats().writes == 5
+    evicted = put(pool, 6, 20)
     pool.defer_spill(evicted.id, 3600)
     pool.shed(0)  # memory makes room: everything else is on disk already
     assert pool.stats().evicted_unspilled == 1 and pool.wait_spilled(10)
-    assert pool.lookup(MODEL, token_ids(4, 20)).on_disk and plain.id != evicted.id
+    assert pool.lookup(MODEL, token_ids(6, 20)).on_disk
     with pytest.raises(ValueError, match="from 0 to 3600"):
         pool.defer_spill(evicted.id, float("nan"))
 

@@ -235,6 +235,14 @@ def test_a_park_its_lane_will_replace_is_deferred_for_the_disk_and_the_last_one_
     assert len(deferred) == 1 and deferred[0][1] == PROVISIONAL_SPILL_SECONDS
     assert deferred[0][0] not in {e.id for e in host.pool.entries()}  # superseded by the last park
     assert [e.tokens for e in entries] == [len(prepared.tokens) + 3] and host.pool.disk_stats().writes == 1
+    # a request that ends at its first token leaves with the end of its prompt: its deferral ends
+    deferred.clear()
+    prepared = host.prepare(Prompt(text="Again. " + TEXT * 30))  # (none of it cached)
+    _, generation = host.call(host.commands.start_request, prepared, GenerateRequest(max_tokens=1))
+    generation.collect()
+    idle_rounds_until(host, lambda: host.stats().lanes == 0)  # (the lane parked and closed)
+    assert [seconds for _, seconds in deferred] == [PROVISIONAL_SPILL_SECONDS, 0]
+    assert len({entry_id for entry_id, _ in deferred}) == 1
 
 
 def test_conversations_returning_from_disk_keep_one_file_each(open_host):
