@@ -284,16 +284,22 @@ def returning_users(run: Run, model: Path, sizes: DiskSizes, scratch: str, tick:
 
 # ----------------------------------------------------------------------------- 4. decode beside writes
 
+def with_and_without(model: Path, scratch: str, part: str, running: list[servers.Served]) -> None:
+    """Start serve with the tier (in a folder of `scratch`) and without it, both up at once, into
+    `running` (the caller stops them, also when the second fails to start)."""
+    running.append(servers.start_ours(model, None, own_folder(scratch, f"{part}-on"),
+                                      pool=f"bench-{part}-on-{os.getpid()}",
+                                      extra=("--disk-dir", str(Path(scratch) / f"{part}-tier"))))
+    running.append(servers.start_ours(model, None, own_folder(scratch, f"{part}-off"),
+                                      pool=f"bench-{part}-off-{os.getpid()}", extra=("--disk-tier", "no")))
+
+
 def decode_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: str,
                          tick: Callable[[str], None]) -> None:
     """Streams decoding past several checkpoints on serve with and without the tier, alternating."""
-    running = []
+    running: list[servers.Served] = []
     try:
-        running.append(servers.start_ours(model, None, own_folder(scratch, "decode-on"),
-                                          pool=f"bench-dec-on-{os.getpid()}",
-                                          extra=("--disk-dir", str(Path(scratch) / "decode-tier"))))
-        running.append(servers.start_ours(model, None, own_folder(scratch, "decode-off"),
-                                          pool=f"bench-dec-off-{os.getpid()}", extra=("--disk-tier", "no")))
+        with_and_without(model, scratch, "decode", running)
         names = ["ours with the disk tier", "ours without it"]
         for served in running:
             traffic.streamed_tokens(served, "Hello.", 4)
@@ -325,13 +331,9 @@ def documents_beside_writes(run: Run, model: Path, sizes: DiskSizes, scratch: st
     """traffic.py's documents beside chats on serve with and without the tier, round by round."""
     shape = traffic.FULL if sizes is FULL else traffic.QUICK
     names = ["ours with the disk tier", "ours without it"]
-    running = []
+    running: list[servers.Served] = []
     try:
-        running.append(servers.start_ours(model, None, own_folder(scratch, "documents-on"),
-                                          pool=f"bench-doc-on-{os.getpid()}",
-                                          extra=("--disk-dir", str(Path(scratch) / "documents-tier"))))
-        running.append(servers.start_ours(model, None, own_folder(scratch, "documents-off"),
-                                          pool=f"bench-doc-off-{os.getpid()}", extra=("--disk-tier", "no")))
+        with_and_without(model, scratch, "documents", running)
         for served in running:
             traffic.chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
         written_before = running[0].metrics("superfluid_kv_tier_bytes_written")
