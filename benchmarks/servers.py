@@ -179,7 +179,7 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
     process; sized as serve sizes it unless `extra` says --pool-bytes) and log of its own, with
     `extra` flags; named `label` in the figures."""
     from kvpool import places, segment
-    from kvpool.disk import remove_tier
+    from kvpool.tier_folder import remove_tier
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
     argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,

@@ -9,7 +9,7 @@ import time
 
 from kvpool import demo, inventory, places, segment, tier_inventory
 from kvpool.budget import describe_bytes
-from kvpool.disk import remove_tier
+from kvpool.tier_folder import remove_tier
 from kvpool.errors import PoolBusy, PoolError
 
 

@@ -1,9 +1,9 @@
 """The disk tier: entries kept as files behind a pool, within a hard budget, found again after anything.
 
 One folder per pool (`<cache>/disk/<pool name>`, mode 0700, files 0600), locked by the process
-that owns the pool, so two processes never write the same files. Each entry is one file
-(kvpool.disk_format: data first, header last, checksums, written under a temporary name and
-renamed once flushed). Opening a tier removes what a crash left half-written, then indexes
+that owns the pool (kvpool.tier_folder), so two processes never write the same files. Each entry
+is one file (kvpool.disk_format: data first, header last, checksums, written under a temporary
+name and renamed once flushed). Opening a tier removes what a crash left half-written, then indexes
 every file in the background (reading only headers and token ids), so a process answers at
 once and finds its disk entries as the scan reaches them.
 
@@ -18,12 +18,10 @@ filled meanwhile) leaves no file and costs only that entry.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -37,11 +35,10 @@ import numpy as np
 from kvpool import disk_format, eviction
 from kvpool.budget import default_disk_budget, default_disk_headroom
 from kvpool.disk_format import DiskHeader
-from kvpool.errors import DataCorrupt, EntryNotFound, PoolBusy, PoolError
+from kvpool.errors import DataCorrupt, EntryNotFound
 from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
+from kvpool.tier_folder import open_locked, unlink_quietly
 
-LOCK_FILE = ".lock"
-LOCK_TRIES, LOCK_WAIT_SECONDS = 20, 0.05  # a lock held a moment (a listing) is waited for, one held for good is not
 LOG = logging.getLogger("kvpool.disk")
 
 
@@ -144,7 +141,7 @@ class DiskTier:
         self._counters = _Counters()
         self._stage = stage
         self._closed = False
-        self._lock_fd = _open_locked(self.folder)
+        self._lock_fd = open_locked(self.folder)
         try:
             self._unreadable: dict[str, int] = {}  # files of another format version, or unreadable now
             self._writing: dict[str, int] = {}  # files being written, counted against the budget
@@ -175,7 +172,7 @@ class DiskTier:
         found: dict[str, int] = {}
         for item in os.scandir(self.folder):
             if item.name.endswith(disk_format.PARTIAL):
-                _unlink(item.path)
+                unlink_quietly(item.path)
                 self._counters.torn_removed += 1
             elif item.name.endswith(disk_format.SUFFIX) and item.is_file(follow_symlinks=False):
                 found[item.name[:-len(disk_format.SUFFIX)]] = item.stat(follow_symlinks=False).st_size
@@ -197,7 +194,7 @@ class DiskTier:
                 with self._lock:
                     if self._unscanned.pop(name, None) is not None:
                         self._counters.corrupt_found += 1
-                        _unlink(self._path(name))
+                        unlink_quietly(self._path(name))
                 continue
             except Exception:  # another format, or not readable now: kept, never read into an engine
                 with self._lock:
@@ -208,7 +205,7 @@ class DiskTier:
                 if self._unscanned.pop(name, None) is None:  # evicted while read
                     continue
                 if self._erased(record.header):
-                    _unlink(self._path(name))
+                    unlink_quietly(self._path(name))
                     self._counters.erased += 1
                     continue
                 record.id, record.last_used = next(self._ids), next(self._clock)
@@ -352,7 +349,7 @@ class DiskTier:
         with self._lock:
             self._writing.pop(pending.name, None)
             if self._erased(pending.header):
-                _unlink(self._path(pending.name))
+                unlink_quietly(self._path(pending.name))
                 self._counters.erased += 1
                 self._prune_tombstones()
                 return None
@@ -404,7 +401,7 @@ class DiskTier:
             if need <= 0:
                 return
             need -= self._unreadable.pop(name)
-            _unlink(self._path(name))
+            unlink_quietly(self._path(name))
             self._counters.evictions += 1
         for candidate in order:
             if need <= 0:
@@ -471,7 +468,7 @@ class DiskTier:
         record.readers -= 1
         if record.doomed and not record.readers:
             self._doomed.pop(record.name, None)
-            _unlink(self._path(record.name))
+            unlink_quietly(self._path(record.name))
 
     # ----------------------------------------------------------------------------- removing
 
@@ -505,7 +502,7 @@ class DiskTier:
             names = list(self._unreadable)
             for name in names:
                 del self._unreadable[name]
-                _unlink(self._path(name))
+                unlink_quietly(self._path(name))
             return len(names)
 
     def erase_other_identities(self, identity: str) -> int:
@@ -532,7 +529,7 @@ class DiskTier:
             record.doomed = True  # its reader's descriptor keeps the bytes; the file goes after it
             self._doomed[record.name] = record.file_bytes
         else:
-            _unlink(self._path(record.name))
+            unlink_quietly(self._path(record.name))
 
     def _bytes_used(self) -> int:
         return (sum(r.file_bytes for r in self._records.values()) + sum(self._unscanned.values())
@@ -540,54 +537,3 @@ class DiskTier:
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{name}{disk_format.SUFFIX}"
-
-
-def remove_tier(folder: str | os.PathLike) -> int:
-    """Remove a closed tier's folder and every entry in it (`pool rm`, a host closed with its
-    pool removed); PoolBusy while a process has it open. The bytes removed. Files that are not
-    the tier's are left, and then so is the folder."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return 0
-    fd = _open_locked(folder)
-    removed = 0
-    try:
-        for item in os.scandir(folder):
-            if item.name.endswith((disk_format.SUFFIX, disk_format.PARTIAL)) and item.is_file(follow_symlinks=False):
-                removed += item.stat(follow_symlinks=False).st_size
-                _unlink(item.path)
-        _unlink(folder / LOCK_FILE)
-    finally:
-        os.close(fd)
-    with contextlib.suppress(OSError):  # not empty: someone else's files stay
-        folder.rmdir()
-    return removed
-
-
-def _open_locked(folder: Path) -> int:
-    """Create `folder` (0700) if need be, check it is this user's and private, and lock it for
-    this process: PoolBusy while another holds it."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = os.stat(folder, follow_symlinks=False)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PoolError(f"disk tier folder {folder} is not a directory of this user; remove it or give "
-                        "another folder")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        os.chmod(folder, 0o700)  # made by an older release or by hand: entries are private
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    for attempt in range(LOCK_TRIES):  # (`disk ls` holds it for a moment: a host starting then waits it out)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            time.sleep(LOCK_WAIT_SECONDS)
-    else:
-        os.close(fd)
-        raise PoolBusy(f"disk tier {folder} is open in another process (each pool's owner keeps its own "
-                       "folder); stop it, or give this pool another name")
-
-
-def _unlink(path: str | os.PathLike) -> None:
-    # (a file that cannot be removed, on a read-only or failing disk, stays: it is a cache)
-    with contextlib.suppress(OSError):
-        os.unlink(path)

@@ -17,8 +17,9 @@ from pathlib import Path
 import msgspec
 
 from kvpool import disk_format, places
-from kvpool.disk import LOCK_FILE, DiskTier
+from kvpool.disk import DiskTier
 from kvpool.errors import PoolBusy, PoolError
+from kvpool.tier_folder import LOCK_FILE
 
 
 UNBOUNDED = 1 << 62

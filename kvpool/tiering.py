@@ -3,8 +3,9 @@
 Once a pool has a disk tier (`attach_disk`), every entry it commits is queued for a writer thread
 that copies the entry's live bytes into a file of the tier (one copy, off the caller's path: the
 step never waits for a disk), SPILL_DELAY_SECONDS after the commit (or later, where its owner
-expects to replace it: `defer_spill`), so an entry superseded or dropped before is never written. While it writes, the writer holds a view of the entry, so the
-entry is neither evicted nor moved by compaction under it. An entry the tier holds a copy of is
+expects to replace it: `defer_spill`), so an entry superseded or dropped before is never
+written. While it writes, the writer holds a view of the entry, so the entry is neither evicted
+nor moved by compaction under it. An entry the tier holds a copy of is
 the first the memory tier evicts (it loses only a read back); one evicted before the writer took
 it (within its delay, or queued) is copied into the page cache by the evicting thread as it
 goes, and the writer flushes and names that file.

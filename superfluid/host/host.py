@@ -28,7 +28,8 @@ from engines import models, registry
 from engines.base import Descriptor, Engine, TokenVocabulary
 from engines.errors import ModelLoadError
 from kvpool import Budget, Pool, PoolError, PoolNotFound, host_memory_available, places, segment
-from kvpool.disk import DiskTier, remove_tier
+from kvpool.disk import DiskTier
+from kvpool.tier_folder import remove_tier
 from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.commands import Commands

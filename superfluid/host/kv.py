@@ -439,11 +439,11 @@ class KVManager:
                 # cost like any cached entry (the session then prefills from its log); only a
                 # pinned session's stays. A swapped-out generation holds one until it resumes.
                 self.pool.release(info.id)
-                if keep_lane and live.job is not None and self.memory.kind == "kv":
-                    self.pool.defer_spill(info.id, PROVISIONAL_SPILL_SECONDS)
                 self.sessions.parked(live, info.id, live.kv)
                 self.follow_pin(live)
                 if self.memory.kind == "kv":
+                    if keep_lane and live.job is not None:  # the lane's next park supersedes this one
+                        self.pool.defer_spill(info.id, PROVISIONAL_SPILL_SECONDS)
                     # The lane's earlier state, and the entry it was imported from (the last turn
                     # of a returning conversation), are prefixes of this one where their tokens
                     # are, and plain KV is cut back on import: they serve nothing this one does

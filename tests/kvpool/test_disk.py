@@ -68,6 +68,16 @@ def hold_the_writer(pool) -> tuple[threading.Event, threading.Event]:
     return gate, reading
 
 
+def written(pool, count: int) -> bool:
+    """Wait until the tier's writer has written `count` files on its own (nobody waiting for
+    everything); whether it wrote exactly that many."""
+    for _ in range(400):
+        if pool.disk_stats().writes >= count:
+            return pool.disk_stats().writes == count
+        time.sleep(0.05)
+    return False
+
+
 def files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
 
@@ -103,11 +113,7 @@ def test_an_entry_is_written_once_its_delay_is_over_and_one_superseded_before_ne
     assert [e.tokens for e in pool.disk.entries()] == [30] and pool.disk_stats().writes == 1
     soon = tiered(make_pool, tmp_path / "soon", delay=0.05)
     put(soon, 2, 20)
-    for _ in range(200):  # written by the writer on its own once due (nobody waits for it)
-        if soon.disk_stats().writes:
-            break
-        time.sleep(0.05)
-    assert soon.disk_stats().writes == 1
+    assert written(soon, 1)  # by the writer on its own once due
 
 
 def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
@@ -122,31 +128,24 @@ def test_a_delay_the_writer_cannot_keep_is_refused(make_pool, tmp_path):
 def test_an_entry_its_owner_will_replace_is_written_only_once_its_deferral_is_over(make_pool, tmp_path):
     pool = tiered(make_pool, tmp_path, delay=0.5)  # (long enough that each deferral below comes first)
 
-    def written(count: int) -> bool:
-        for _ in range(400):  # by the writer on its own, once due (nobody waits for everything)
-            if pool.disk_stats().writes >= count:
-                return pool.disk_stats().writes == count
-            time.sleep(0.05)
-        return False
-
     provisional = put(pool, 1, 20, tag="session:a")
     pool.defer_spill(provisional.id, 3600)  # its lane goes on and parks again at its end
     put(pool, 2, 24)
-    assert written(1)  # the plain entry, once its own delay is over; the other waits
+    assert written(pool, 1)  # the plain entry, once its own delay is over; the other waits
     time.sleep(0.6)  # (the writer has taken the deferred entry off the queue and put it back by now)
     assert [e.tokens for e in pool.disk.entries()] == [24] and pool.disk_stats().writes == 1
     final = put(pool, 1, 30, tag="session:a")  # the lane's next park supersedes it: never written
     assert pool.supersede(provisional.id, final.id)
-    assert written(2) and sorted(e.tokens for e in pool.disk.entries()) == [24, 30]
+    assert written(pool, 2) and sorted(e.tokens for e in pool.disk.entries()) == [24, 30]
     # a deferral that runs out is written by the writer on its own; one ended (its owner will
     # not replace it after all) is written at once
     short = put(pool, 3, 28)
     pool.defer_spill(short.id, 1.0)
-    assert written(3) and 28 in [e.tokens for e in pool.disk.entries()]
+    assert written(pool, 3) and 28 in [e.tokens for e in pool.disk.entries()]
     ended = put(pool, 4, 32)
     pool.defer_spill(ended.id, 3600)
     pool.defer_spill(ended.id, 0)
-    assert written(4) and 32 in [e.tokens for e in pool.disk.entries()]
+    assert written(pool, 4) and 32 in [e.tokens for e in pool.disk.entries()]
     # one still deferred is written at once by whoever waits for everything, and on eviction
     waited = put(pool, 5, 20)
     pool.defer_spill(waited.id, 3600)

@@ -4,7 +4,7 @@ import pytest
 
 from engines import registry
 from kvpool import places
-from kvpool.disk import remove_tier
+from kvpool.tier_folder import remove_tier
 from superfluid import Host
 from tests.gate import Gate
 from tests.conftest import remove_segment, unique_pool_name

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import openai
 
 from kvpool import places
-from kvpool.disk import remove_tier
+from kvpool.tier_folder import remove_tier
 from tests.conftest import remove_segment, unique_pool_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from kvpool import places, segment
-from kvpool.disk import DiskTier, remove_tier
+from kvpool.disk import DiskTier
+from kvpool.tier_folder import remove_tier
 from tests.conftest import remove_segment, unique_pool_name
 from tests.superfluid.served import Served
 from tests.superfluid.test_limits import idle_rounds_until

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool import places
-from kvpool.disk import remove_tier
+from kvpool.tier_folder import remove_tier
 from superfluid import Host
 from superfluid.host.churn import Churn
 from tests import memorykinds, tinymodels
