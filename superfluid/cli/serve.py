@@ -155,9 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--first-token-target", type=float, default=1.0, help="seconds a step may last at most: what a request "
          "arriving during it waits before its prompt goes first; steps carry as many prompt tokens as the measured "
          "step costs fit (default: 1)")
-    flag("--decode-step-target", type=float, default=1.0, help="seconds a step may last at most while a reply is "
+    flag("--decode-step-target", type=float, default=0.5, help="seconds a step may last at most while a reply is "
          "being streamed: the longest wait between its tokens while prompts are fed; a reply sent whole (no "
-         "`stream`) waits for its end only, so steps beside it are bounded by --first-token-target (default: 1)")
+         "`stream`) waits for its end only, so steps beside it are bounded by --first-token-target (default: 0.5)")
     for runtime in registry.RUNTIMES:
         group = parser.add_argument_group(f"{runtime} options", f"for models on the {runtime} runtime")
         for spec in registry.adapter(runtime).options():

@@ -72,7 +72,7 @@ class Host:
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
                  max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
-                 decode_step_target: float | None = 1.0, max_sessions: int | None = 1_000_000,
+                 decode_step_target: float | None = 0.5, max_sessions: int | None = 1_000_000,
                  max_messages: int | None = 100_000, session_expiry_seconds: float | None = None,
                  disk_tier: bool = True, disk_budget: int | None = None, disk_dir: str | os.PathLike | None = None,
                  engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,

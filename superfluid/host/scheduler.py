@@ -59,7 +59,7 @@ class Policy:
 
     prefill_budget: int = 512
     first_token_target: float | None = 1.0
-    decode_step_target: float | None = 1.0
+    decode_step_target: float | None = 0.5
     checkpoint_tokens: int = 256
     publish_tokens: int = 256
     on_context_full: str = "error"

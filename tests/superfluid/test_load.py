@@ -285,14 +285,14 @@ def test_with_no_lane_decoding_a_step_lasts_the_first_token_target(cell_host, mo
 
 def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_cost_per_step(cell_host, monkeypatch):
     # 40 ms a step whatever it carries, 5 ms a token: 0.5 s hold 92 tokens, 1 s hold 192
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.04, 0.005), decode_step_target=0.5)
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.04, 0.005))
     on_simulated_time(monkeypatch, engine)
     _, generations = start(host, [prompt(0, 1500), prompt(1, 10)], max_tokens=200)
     for g in generations:
         g.collect()
     long = engine.steps[1][1][0]
     chunks = prompt_chunks(fed_to(engine, long), 1500)
-    # beside the short one's decoding, within a decode-step target of 0.5 s: its token and
+    # beside the short one's decoding, within the default decode-step target (0.5 s): its token and
     # 91 of the prompt. The first sized step is guessed from the short prompt's 10-token step
     # alone (its cost per token, 9 ms, which counts the fixed cost ten times over: 54 tokens);
     # from then on the steps measured near that size predict it.
