@@ -4,13 +4,15 @@
 
 One llama.cpp engine set up as `superfluid serve` runs it (2 threads, flash attention, 65,536
 cells, 8 sequences), with two other documents of 1,800 tokens resident, as in traffic.py's
-documents-beside-chats shape. A third document's tokens are fed in chunks of each size, once
-over positions 0-800 and once over 1,000-1,800; each figure is the median over rounds, sizes
-alternating within a round. The planner sizes chunks from the targets and the measured step
-costs; this shows what a smaller chunk gives up. Early in a prompt the size hardly matters;
-late in it, where attention over the context dominates, ggml's CPU flash-attention kernel
-works in tiles of 64 query rows, and each tile converts and multiplies every key block its
-rows can see however few rows it holds, so small chunks pay for more partial tiles.
+documents-beside-chats shape. A third document's tokens are fed in chunks of each size (every
+size divides the span, so no chunk is a runt), once over positions 0-1,024 and once over
+1,024-2,048, asking for no logits as the scheduler feeds a prompt's middle; each figure is the
+median over rounds, the order of the sizes turning by one each round. The planner sizes chunks
+from the targets and the measured step costs; this shows what a chunk's size changes. (A forward
+of fewer than 64 tokens goes through ggml's row-by-row flash-attention kernel instead of its
+tiles of 64 query rows, and beside a long context costs far more a token: a span that ended in
+such a piece made 128-token chunks look 17% dearer than 512-token ones, where fed evenly they
+cost the same.)
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from engines.base import StepRequest  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
 SIZES = (64, 128, 256, 512)
-SPANS = ((0, 800), (1000, 1800))
-DOCUMENT = 1800
+SPANS = ((0, 1024), (1024, 2048))
+OTHERS = 1800  # tokens of each document resident beside the one fed
 
 
 def feed(engine: LlamaCppEngine, seq: int, tokens: list[int], start: int, end: int, chunk: int) -> float:
@@ -39,7 +41,7 @@ def feed(engine: LlamaCppEngine, seq: int, tokens: list[int], start: int, end: i
     for at in range(start, end, chunk):
         piece = tokens[at:min(at + chunk, end)]
         began = time.perf_counter()
-        engine.step([StepRequest(seq, piece, "last")])
+        engine.step([StepRequest(seq, piece, "none")])
         seconds += time.perf_counter() - began
     return seconds
 
@@ -53,20 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     engine = LlamaCppEngine(model, n_ctx=65536, threads=2, threads_batch=2, n_seq_max=8, flash_attn=True)
     try:
         for other in range(2):  # two documents resident beside the one being fed
-            seq, tokens = engine.new_sequence(), engine.tokenize(text_of(DOCUMENT, salt=7000 + other))[:DOCUMENT]
+            seq, tokens = engine.new_sequence(), engine.tokenize(text_of(OTHERS, salt=7000 + other))[:OTHERS]
             feed(engine, seq, tokens, 0, len(tokens), 512)
-        tokens = engine.tokenize(text_of(DOCUMENT, salt=7100))[:DOCUMENT]
-        if len(tokens) < DOCUMENT:
-            raise SystemExit(f"the document tokenized to {len(tokens)} tokens; {DOCUMENT} are needed")
-        seq = engine.new_sequence()
+        needed = SPANS[-1][1]
+        tokens = engine.tokenize(text_of(needed + needed // 4, salt=7100))[:needed]
+        if len(tokens) < needed:
+            raise SystemExit(f"the document tokenized to {len(tokens)} tokens; {needed} are needed")
         per_token: dict[tuple[int, int], list[float]] = {}
-        for _ in range(args.rounds):
+        for turn in range(args.rounds):
             for start, end in SPANS:
-                for size in SIZES:
-                    engine.truncate(seq, 0)
-                    if start:
-                        feed(engine, seq, tokens, 0, start, 512)
+                for size in SIZES[turn % len(SIZES):] + SIZES[:turn % len(SIZES)]:
+                    seq = engine.new_sequence()  # (a new one each time: any memory kind starts empty)
+                    feed(engine, seq, tokens, 0, start, 512)
                     per_token.setdefault((size, start), []).append(feed(engine, seq, tokens, start, end, size) / (end - start))
+                    engine.free_sequence(seq)
         print(f"{model.name}: ms a prompt token, median of {args.rounds} rounds (ratio to chunks of {SIZES[-1]})")
         print("chunk | " + " | ".join(f"positions {start:,}-{end:,}" for start, end in SPANS))
         for size in SIZES:

@@ -173,16 +173,17 @@ def first_text_seconds(client: openai.OpenAI, model: str, messages: list[dict], 
 
 
 def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None = None, threads: int = 2,
-               extra: tuple[str, ...] = (), label: str = OURS) -> Served:
+               extra: tuple[str, ...] = (), label: str = OURS, command: tuple[str, ...] = ()) -> Served:
     """`superfluid serve` on `model` through llama.cpp on `threads` threads with `n_ctx` cells
     (None: serve's default, sized from memory), on a pool (`pool`, default one named for this
     process; sized as serve sizes it unless `extra` says --pool-bytes) and log of its own, with
-    `extra` flags; named `label` in the figures."""
+    `extra` flags; named `label` in the figures. `command`: what runs in place of `python -m
+    superfluid` (a script taking the same arguments, such as a wrapper that times serve)."""
     from kvpool import places, segment
     from kvpool.tier_folder import remove_tier
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
-    argv = [sys.executable, "-m", "superfluid", "serve", str(model), "--port", str(port), "--pool-name", pool,
+    argv = [*(command or (sys.executable, "-m", "superfluid")), "serve", str(model), "--port", str(port), "--pool-name", pool,
             "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
             str(threads), "--llamacpp-threads-batch", str(threads),
             *(["--llamacpp-n-ctx", str(n_ctx)] if n_ctx is not None else []),

@@ -1,6 +1,6 @@
 """Where a traffic shape's time goes inside `superfluid serve`: every step and every forward timed.
 
-    .venv/bin/python benchmarks/step_trace.py [--alone] [--targets FIRST DECODE] [--salt N]
+    .venv/bin/python benchmarks/step_trace.py [--alone] [--targets FIRST DECODE] [--salt N] [--peer]
 
 Starts serve as traffic.py does (llama.cpp, the default model, disk tier off) through this file,
 which wraps the command: it times each step of the scheduler and each llama_decode call of the
@@ -10,7 +10,8 @@ chat every second) or, with --alone, the documents alone, and prints where the d
 time went: the documents' prompt chunks (forwards of 64 tokens or more), the small forwards
 beside them (decode tokens, short prompts), the steps that only feed short prompts or only
 decode, and the steps stopped or planned again for an arrival (their work thrown away).
-`--targets` passes serve's --first-token-target and --decode-step-target.
+`--targets` passes serve's --first-token-target and --decode-step-target; `--peer` sends the same
+shape to llama-server as traffic.py runs it (its times only) to set beside ours.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def _serve_traced(trace_path: str, argv: list[str]) -> int:
                       f"{len({item[1] for item in chunk})}\n")
 
     def timed_step(self, requests):
-        began = time.perf_counter()
+        began, self.traced_finished = time.perf_counter(), False
         try:
             return step(self, requests)
-        finally:  # P end seconds: every step begun, finished or not
-            out.write(f"P {time.monotonic():.4f} {time.perf_counter() - began:.5f}\n")
+        finally:  # P end seconds finished: every step begun, with whether its forwards all ran
+            out.write(f"P {time.monotonic():.4f} {time.perf_counter() - began:.5f} {int(self.traced_finished)}\n")
 
     def timed_measure(self, requests, seconds):  # S end seconds sizes...: the steps that finished
+        self.traced_finished = True
         out.write(f"S {time.monotonic():.4f} {seconds:.5f} {' '.join(str(len(r.tokens)) for _, r in requests)}\n")
         return measure(self, requests, seconds)
 
@@ -82,7 +84,7 @@ def documents_alone(served: servers.Served, sizes: traffic.TrafficSizes, salt: i
 
 def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], None] = print) -> None:
     """Print where the seconds between `began` and `ended` (time.monotonic) went."""
-    forwards, steps, begun = [], [], []
+    forwards, steps, begun, dropped = [], [], [], []
     with open(trace_path) as trace:
         for line in trace:
             kind, at, seconds, *rest = line.split()
@@ -94,6 +96,11 @@ def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], 
                 steps.append((float(at), float(seconds), [int(n) for n in rest]))
             else:
                 begun.append(float(seconds))
+                if rest[0] == "0":  # stopped for an arrival, or planned again before it ran
+                    dropped.append(float(seconds))
+    if not forwards or not steps:
+        raise RuntimeError(f"the trace holds no steps between {began:.1f} and {ended:.1f}: did serve run "
+                           "through the wrapper (superfluid re-executes itself where OpenBLAS must be preloaded)?")
     chunks = [f for f in forwards if f[2] >= CHUNK]
     kinds: dict[str, list[float]] = {"feed a prompt chunk": [], "feed only short prompts": [], "only decode": []}
     beside = 0.0
@@ -114,8 +121,7 @@ def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], 
     say(f"small forwards in the steps that feed a chunk: {beside:.2f} s")
     for kind, durations in kinds.items():
         say(f"steps that {kind}: {len(durations)}, {sum(durations):.2f} s")
-    say(f"steps stopped or planned again (work thrown away): {len(begun) - len(steps)}, "
-        f"{sum(begun) - sum(s[1] for s in steps):.2f} s")
+    say(f"steps stopped or planned again (work thrown away): {len(dropped)}, {sum(dropped):.2f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,31 +130,38 @@ def main(argv: list[str] | None = None) -> int:
         return _serve_traced(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--alone", action="store_true", help="the documents without the chats")
-    parser.add_argument("--targets", nargs=2, metavar=("FIRST", "DECODE"), help="serve's two targets, in seconds")
+    parser.add_argument("--targets", nargs=2, type=float, metavar=("FIRST", "DECODE"),
+                        help="serve's two targets, in seconds (default: serve's)")
     parser.add_argument("--salt", type=int, default=30, help="another number sends other texts (default: 30)")
+    parser.add_argument("--peer", action="store_true", help="llama-server on the same shape instead (times only)")
     args = parser.parse_args(argv)
     model = Path(models.default_model(progress=print))
     sizes = traffic.FULL
-    targets = ("--first-token-target", args.targets[0], "--decode-step-target", args.targets[1]) if args.targets else ()
+    targets = (("--first-token-target", str(args.targets[0]), "--decode-step-target", str(args.targets[1]))
+               if args.targets else ())
     with tempfile.TemporaryDirectory() as scratch:
         trace_path = os.path.join(scratch, "trace")
-        served = servers.start_ours(model, None, scratch, extra=("--disk-tier", "no", *targets))
-        served.argv[1:3] = [str(Path(__file__).resolve()), WRAP, trace_path]  # (in place of -m superfluid)
-        served.restart()
+        if args.peer:  # llama-server as traffic.py runs it, untraced: the same shape's times to set beside ours
+            served = servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on"))
+        else:
+            served = servers.start_ours(model, None, scratch, extra=("--disk-tier", "no", *targets),
+                                        command=(sys.executable, str(Path(__file__).resolve()), WRAP, trace_path))
         try:
             traffic.chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs
             began = time.monotonic()
             if args.alone:
                 documents = documents_alone(served, sizes, args.salt)
-                print(f"the documents alone: done in {documents:.1f} s")
+                print(f"{served.label}: the documents alone done in {documents:.1f} s")
             else:
                 run = Run("step-trace")
                 traffic.documents_beside_chats(run, served, sizes, salt=args.salt)
                 documents = run.figures[f"{served.label}: {traffic.label_documents(sizes)}"].samples[0]
                 chats = run.figures[f"{served.label}: {traffic.CHATS}"].samples
-                print(f"the documents beside chats: done in {documents:.1f} s; the chats' first token p50 "
-                      f"{traffic.percentile(chats, 50):.2f} s, p95 {traffic.percentile(chats, 95):.2f} s")
-            summarise(trace_path, began, began + documents)
+                print(f"{served.label}: the documents beside chats done in {documents:.1f} s; the chats' first "
+                      f"token p50 {traffic.percentile(chats, 50):.2f} s, p95 {traffic.percentile(chats, 95):.2f} s")
+            if not args.peer:
+                time.sleep(0.1)  # the last step's line is written after its readers were woken
+                summarise(trace_path, began, began + documents)
         finally:
             served.stop()
     return 0
