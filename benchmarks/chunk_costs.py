@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                 for size in SIZES[turn % len(SIZES):] + SIZES[:turn % len(SIZES)]:
                     seq = engine.new_sequence()  # (a new one each time: any memory kind starts empty)
                     feed(engine, seq, tokens, 0, start, 512)
-                    per_token.setdefault((size, start), []).append(feed(engine, seq, tokens, start, end, size) / (end - start))
+                    seconds = feed(engine, seq, tokens, start, end, size)
+                    per_token.setdefault((size, start), []).append(seconds / (end - start))
                     engine.free_sequence(seq)
         print(f"{model.name}: ms a prompt token, median of {args.rounds} rounds (ratio to chunks of {SIZES[-1]})")
         print("chunk | " + " | ".join(f"positions {start:,}-{end:,}" for start, end in SPANS))

@@ -5,8 +5,9 @@ second while they run), once for each pair of targets given.
     .venv/bin/python benchmarks/planner_targets.py "1 0.5" "1 1" "2 2"
 
 Each pair is `--first-token-target` and `--decode-step-target` (none given: serve's defaults,
-"1 0.5"); the figures are the documents' wall time and the chats' first token (p50 and p95). Longer steps feed prompts in larger chunks
-(faster per token) and make an arriving chat wait longer for the step in flight.
+"1 0.5"); the figures are the documents' wall time and the chats' first token (p50 and p95).
+Longer steps carry more prompt tokens and fewer decode forwards beside them, and make an arriving
+chat wait longer for the step in flight.
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ def start_ours(model: Path, n_ctx: int | None, scratch: str, *, pool: str | None
     from kvpool.tier_folder import remove_tier
 
     port, pool = free_port(), pool or f"bench-serve-{os.getpid()}"
-    argv = [*(command or (sys.executable, "-m", "superfluid")), "serve", str(model), "--port", str(port), "--pool-name", pool,
-            "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
+    argv = [*(command or (sys.executable, "-m", "superfluid")), "serve", str(model), "--port", str(port),
+            "--pool-name", pool, "--log-dir", os.path.join(scratch, "log"), "--llamacpp-threads",
             str(threads), "--llamacpp-threads-batch", str(threads),
             *(["--llamacpp-n-ctx", str(n_ctx)] if n_ctx is not None else []),
             # no refusal for waiting long (serve's default 300 s): the peers have no such limit, and

@@ -73,9 +73,7 @@ def documents_alone(served: servers.Served, sizes: traffic.TrafficSizes, salt: i
     start = time.perf_counter()
 
     def document(d: int) -> None:
-        text = traffic.text_of(sizes.long, salt=4000 + 100 * salt + d)
-        traffic.chat(served, [{"role": "system", "content": traffic.SYSTEM},
-                              {"role": "user", "content": f"{text}\n\nSummarise this."}], sizes.reply)
+        traffic.chat(served, traffic.document_messages(sizes, salt, d), sizes.reply)
 
     with ThreadPoolExecutor(sizes.documents) as workers:
         list(workers.map(document, range(sizes.documents)))

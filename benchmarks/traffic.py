@@ -146,6 +146,12 @@ def label_conversations(sizes: TrafficSizes) -> str:
             f"{sizes.clients} clients")
 
 
+def document_messages(sizes: TrafficSizes, salt: int, d: int) -> list[dict]:
+    """The messages of the shape's document `d` (another `salt`, another text)."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{text_of(sizes.long, salt=4000 + 100 * salt + d)}\n\nSummarise this."}]
+
+
 def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes, salt: int = 0) -> None:
     """`documents` long requests at once, and a one-line chat every `chat_every` s until they are
     done and `chats` chats were sent (each on a thread of its own, so none waits for a client);
@@ -155,9 +161,7 @@ def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes
     waits: list[float] = []
 
     def document(d: int) -> float:
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"{text_of(sizes.long, salt=4000 + 100 * salt + d)}\n\nSummarise this."}]
-        chat(served, messages, sizes.reply)
+        chat(served, document_messages(sizes, salt, d), sizes.reply)
         return time.perf_counter() - start
 
     def one_chat(c: int) -> None:
