@@ -32,6 +32,12 @@ class Packing(msgspec.Struct, frozen=True):
     max_tokens: int  # tokens per step, all sequences together
     max_sequences: int  # sequences alive at once
     copies_on_lane_change: bool  # a sequence joining or leaving a batch copies KV
+    # A prompt chunk runs in a forward of its own, apart from the step's decode tokens, and its
+    # attention skips only the blocks of cells its rows cannot see (llama.cpp's CPU flash
+    # attention on one shared cache). So where a decode token's cell lands matters: one left
+    # between a prompt's cells by a lane that then ends becomes a hole a later prompt fills, and
+    # that prompt's rows see a block more (the planner lets lanes about to end decode first).
+    chunks_apart: bool = False
 
 
 MEMORY_KINDS = ("kv", "iswa", "recurrent", "hybrid", "hybrid-iswa")

@@ -35,7 +35,7 @@ class CellEngine:
     """The Engine protocol over `cells` token positions shared by up to `max_sequences` sequences."""
 
     def __init__(self, cells: int = 4096, *, max_sequences: int = 16, vocab: int = 64, eos: tuple[int, ...] = (),
-                 step_seconds: tuple[float, float] = (0.0, 0.0)):
+                 step_seconds: tuple[float, float] = (0.0, 0.0), chunks_apart: bool = False):
         self.cells, self.vocab = cells, vocab
         # A simulated clock for tests of time-bound planning: each step advances it by a fixed cost
         # (reading the weights) plus a cost per token fed, as a CPU forward does.
@@ -52,7 +52,7 @@ class CellEngine:
         self._descriptor = Descriptor(
             "cells", "1", f"cell-engine-{cells}-{vocab}", model_kv, pricing.bytes_per_token(model_kv), cells, vocab,
             Packing(mixes_prefill_and_decode=True, max_tokens=cells, max_sequences=max_sequences,
-                    copies_on_lane_change=False),
+                    copies_on_lane_change=False, chunks_apart=chunks_apart),
             Device(), None, eos, None, kv_cells=cells, unified_cells=True)
 
     # ----------------------------------------------------------------------------- describe, text

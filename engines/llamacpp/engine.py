@@ -103,8 +103,11 @@ class LlamaCppEngine(Adapter):
         # llama.cpp caps n_batch at n_ctx: a step split at the option's value could overrun it
         self._n_batch = min(values["batch_size"], api.llama_n_batch(self._ctx))
         # ggml's CPU flash-attention kernel computes 64 query rows at a time over the union of
-        # their sequences' cells: steps are then grouped into forwards that keep sequences apart
-        self._tiled_attention = bool(values["flash_attn"]) and values["n_gpu_layers"] == 0
+        # their sequences' cells: steps are then grouped into forwards that keep sequences apart.
+        # It tiles only an f16 or f32 cache whose K and V share a type; over any other (quantized,
+        # bf16) it computes each row apart, cell by cell, whatever shares the forward.
+        self._tiled_attention = (bool(values["flash_attn"]) and values["n_gpu_layers"] == 0
+                                 and values["cache_type_k"] == values["cache_type_v"] in ("f16", "f32"))
         self._batch = api.llama_batch_init(self._n_batch, 0, 1)
         self._tokens_in = np.ctypeslib.as_array(self._batch.token, shape=(self._n_batch,))
         self._pos_in = np.ctypeslib.as_array(self._batch.pos, shape=(self._n_batch,))
@@ -199,7 +202,8 @@ class LlamaCppEngine(Adapter):
         identity = identities.compose(RUNTIME, identities.file_digest(path), self._lib.version, settings_used)
         device = resolve_device(values["n_gpu_layers"], bool(api.llama_supports_gpu_offload()))
         packing = Packing(mixes_prefill_and_decode=True, max_tokens=self._n_batch,
-                          max_sequences=values["n_seq_max"], copies_on_lane_change=False)
+                          max_sequences=values["n_seq_max"], copies_on_lane_change=False,
+                          chunks_apart=self._tiled_attention)
         return Descriptor(RUNTIME, self._lib.version, identity, self._model_kv,
                           pricing.bytes_per_token(self._model_kv), self._context_length(), self._n_vocab, packing,
                           device,

@@ -14,7 +14,8 @@ at no such cost, and one forward reads the weights once for all of them.
 Hence the grouping: a request of QUERY_TILE tokens or more runs in a forward of its own; the
 smaller ones (decode tokens, short chunks) are packed in order into forwards of fewer than
 QUERY_TILE tokens. Without flash attention (attention is one product over every cell for every
-row, whatever the sequences) or off the CPU, one forward carries everything.
+row, whatever the sequences), over a cache the kernel does not tile (K and V not both f16 or both
+f32: each row is computed apart, cell by cell) or off the CPU, one forward carries everything.
 """
 
 from __future__ import annotations

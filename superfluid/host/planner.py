@@ -4,10 +4,12 @@ Every step carries one decode token for each decoding lane first (decode is neve
 prefill), then prefill chunks from as many prompts as fit: those it can end while their first
 token is owed first, then the most urgent. A step that feeds a short prompt whole carries only
 prompts it ends, none four times longer, and never two such steps in a row (the one after goes
-by urgency alone, so a stream of short prompts cannot hold a long one back). How many prompt
-tokens fit is a matter of time: a step is what every decoding lane waits for before its next
-token, and what a request arriving meanwhile waits for before its prompt goes first. So a step
-lasts at most
+by urgency alone, so a stream of short prompts cannot hold a long one back). Where the engine
+runs prompt chunks apart from decode tokens, lanes within one step's time of their end decode
+first, beside no chunk of a prompt the step cannot end, for at most one step's time in a row
+(`Planner.plan` says why: where llama.cpp puts their cells). How many prompt tokens fit is a
+matter of time: a step is what every decoding lane waits for before its next token, and what a
+request arriving meanwhile waits for before its prompt goes first. So a step lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
     decode_step_target      while a lane decodes for a reader that takes its tokens as they come
@@ -148,6 +150,7 @@ class Planner:
         self.memory_cuts_back = memory_cuts_back  # False: checkpoints within prompts (sliding window, recurrent)
         self.costs = StepCosts()
         self._exclusive_before = False  # the last step carried only prompts it ended
+        self._held = 0.0  # predicted seconds prompt chunks have waited for ending lanes, in a row
 
     def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
         """This step's requests for the running `lanes` within `room` free cells: (decode,
@@ -182,7 +185,34 @@ class Planner:
             prefill = kept
             exclusive = len(kept) < len(prefilling)  # a prompt waits: the next step goes by urgency
         self._exclusive_before = exclusive
+        partial = any(len(request.tokens) < live.pending for live, request in prefill)
+        step = self._ending_step(decode, seconds) if partial else None
+        if step is not None and self._held + step <= seconds:
+            # Lanes that end within one step's time decode first, in steps of their own: no chunk
+            # of a prompt the step cannot end goes beside them (a prompt it feeds whole still
+            # does, so a short request's first token does not wait). Where chunks run apart from
+            # decode tokens this order costs no forward more, and each decode token's cell lands
+            # beside its own lane's instead of between two chunks of the next prompt: when the
+            # lane ends it leaves one hole, not single cells between the chunks for later prompts
+            # to be spread over (a prompt whose cells share blocks of 64 with other sequences
+            # makes its tiles compute those blocks too). The chunks wait at most one step's time
+            # in a row, however many short requests keep arriving.
+            self._held += step
+            return decode, [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
+        self._held = 0.0
         return decode, prefill
+
+    def _ending_step(self, decode: list, seconds: float | None) -> float | None:
+        """The predicted seconds of a step of these decode tokens alone where some lane among them
+        ends within `seconds` of such steps (its request's max_tokens reached, one token a step)
+        and the engine runs prompt chunks apart from decode tokens; else None."""
+        if not decode or seconds is None or not self.descriptor.packing.chunks_apart:
+            return None
+        step = self.costs.seconds_for(len(decode))
+        if step is None:
+            return None
+        left = min(live.job.request.max_tokens - live.job.produced for live, _ in decode)
+        return step if left * step <= seconds else None
 
     def step_dropped(self) -> None:
         """The step last planned did not run (interrupted, or planned again for an arrival)."""

@@ -45,6 +45,19 @@ def test_describe_prices_cells_by_cache_type(engine_for):
     assert info.kv_cells_reason == f"n_ctx={info.kv_cells}, as given"  # the fixture gives n_ctx
 
 
+@pytest.mark.parametrize("options, apart", [({"flash_attn": True}, True), ({}, False),
+                                             ({"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}, False),
+                                             ({"flash_attn": True, "cache_type_v": "q8_0"}, False)])
+def test_prompt_chunks_run_apart_only_where_the_cpu_kernel_tiles_attention(wide_model, options, apart):
+    # ggml's CPU flash attention tiles 64 query rows over an f16/f32 cache whose K and V share a
+    # type: only there do a chunk's forward and where decode tokens' cells land matter
+    engine = LlamaCppEngine(wide_model.gguf, n_ctx=512, **options)
+    try:
+        assert engine.describe().packing.chunks_apart is apart
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("k, v, flash", [("f16", "f16", False), ("q8_0", "q8_0", True), ("q8_0", "f16", False),
                                           ("f32", "f32", False), ("q4_0", "q4_0", True)])
 def test_state_size_is_price_per_cell_plus_fixed(wide_model, pool, k, v, flash):

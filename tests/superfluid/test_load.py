@@ -38,11 +38,12 @@ def cell_host(tmp_path, clock):
     opened = []
 
     def make(cells: int = 4096, *, max_sequences: int = 16, step_seconds: tuple[float, float] = (0.0, 0.0),
-             gate: Gate | None = None, engine_class: type = CellEngine, **options):
+             gate: Gate | None = None, engine_class: type = CellEngine, chunks_apart: bool = False, **options):
         engines = []
 
         def factory():
-            engines.append(engine_class(cells, max_sequences=max_sequences, step_seconds=step_seconds))
+            engines.append(engine_class(cells, max_sequences=max_sequences, step_seconds=step_seconds,
+                                        **({"chunks_apart": True} if chunks_apart else {})))
             return engines[0] if gate is None else gate.wrap(engines[0])
 
         name = unique_pool_name()
@@ -800,3 +801,49 @@ def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_prompt(ce
     fed = [sum(n for _, n in step) for step in engine.steps]
     assert sum(fed) == 2500 and all(n >= 64 for n in fed[:-1])
     assert [40, 24] in [[n for _, n in step] for step in engine.steps]
+
+
+@pytest.mark.parametrize("chunks_apart", [False, True])
+def test_lanes_about_to_end_decode_before_the_next_chunks_where_chunks_run_apart(cell_host, monkeypatch, chunks_apart):
+    # 5 ms a token, steps of 50 ms beside streamed decoding (10 tokens). A 30-token prompt goes
+    # first, whole; its 7 tokens left then take 35 ms of steps, within one step's time. Where the
+    # engine runs prompt chunks apart from decode tokens (llama.cpp's CPU flash attention), those
+    # 7 go in steps of their own and the 300-token prompt's chunks follow: each decode token's
+    # cell lands beside its own lane's instead of between two chunks. Elsewhere a step carries both.
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.05,
+                             chunks_apart=chunks_apart)
+    on_simulated_time(monkeypatch, engine)
+    _, generations = start(host, [prompt(0, 30), prompt(1, 300)], max_tokens=8)
+    for g in generations:
+        g.collect()
+    short, long = (engine.steps[0][0][0], next(s for step in engine.steps for s, n in step if n > 30))
+    ending = [i for i, step in enumerate(engine.steps) if (short, 1) in step]
+    assert fed_to(engine, short) == [30] + [1] * 7 and len(ending) == 7
+    beside = [i for i in ending if any(s == long for s, _ in engine.steps[i])]
+    if chunks_apart:
+        assert beside == [] and ending == list(range(1, 8))  # right after its prompt, alone
+        assert prompt_chunks(fed_to(engine, long), 300)[0] > 10  # then, nobody decoding: longer steps
+    else:
+        assert beside == ending  # each beside a chunk of the long prompt
+    assert [g.tokens for g in generations] == alone(cell_host, [prompt(0, 30), prompt(1, 300)], 8)
+
+
+def test_lanes_ending_one_after_another_hold_a_long_prompt_back_for_one_steps_time_at_most(cell_host, monkeypatch):
+    # 5 ms a token, steps of 0.2 s beside streamed decoding. Eight short requests end one after
+    # another (4, 8, ..., 32 tokens), so some lane is always within a step's time of its end; a
+    # 2,000-token prompt beside them still gets a chunk after at most 0.2 s of their steps alone.
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), decode_step_target=0.2, chunks_apart=True)
+    on_simulated_time(monkeypatch, engine)
+    sessions = [host.session(temperature=0.8, seed=i) for i in range(9)]
+    for i, session in enumerate(sessions):
+        session.append_tokens(prompt(i, 2000 if i == 0 else 10))
+    generations = host.call(lambda: [host.commands.generate(s.id, GenerateRequest.of(
+        max_tokens=2 if i == 0 else 4 * i, ignore_eos=True)) for i, s in enumerate(sessions)])
+    for g in generations:
+        g.collect()
+    long = next(s for step in engine.steps for s, n in step if n > 10)
+    feeding = [i for i, step in enumerate(engine.steps) if any(s == long and n > 1 for s, n in step)]
+    waits = [sum(0.005 * sum(n for _, n in engine.steps[j]) for j in range(a + 1, b))
+             for a, b in zip(feeding, feeding[1:])]
+    assert max(waits) == pytest.approx(0.2) and all(w <= 0.2 + 1e-9 for w in waits)  # held, never longer
+    assert [g.tokens for g in generations][0] == alone(cell_host, [prompt(0, 2000)], 2)[0]
