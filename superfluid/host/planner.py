@@ -5,11 +5,12 @@ prefill), then prefill chunks from as many prompts as fit: those it can end whil
 token is owed first, then the most urgent. A step that feeds a short prompt whole carries only
 prompts it ends, none four times longer, and never two such steps in a row (the one after goes
 by urgency alone, so a stream of short prompts cannot hold a long one back). Where the engine
-runs prompt chunks apart from decode tokens, lanes within one step's time of their end decode
-first, beside no chunk of a prompt the step cannot end, for at most one step's time in a row
-(`Planner.plan` says why: where llama.cpp puts their cells). How many prompt tokens fit is a
-matter of time: a step is what every decoding lane waits for before its next token, and what a
-request arriving meanwhile waits for before its prompt goes first. So a step lasts at most
+runs prompt chunks apart from decode tokens, lanes within one step's time of their end (their
+requests' max_tokens) decode first, beside no chunk of a prompt the step cannot end (unless a
+prompt of a more urgent class waits), until such chunks have waited one step's time
+(`Planner.plan` says why: where llama.cpp puts the decode tokens' cells). How many prompt tokens
+fit is a matter of time: a step is what every decoding lane waits for before its next token, and
+what a request arriving meanwhile waits for before its prompt goes first. So a step lasts at most
 
     first_token_target      always (a request arriving during the step waits for its end), and
     decode_step_target      while a lane decodes for a reader that takes its tokens as they come
@@ -150,7 +151,8 @@ class Planner:
         self.memory_cuts_back = memory_cuts_back  # False: checkpoints within prompts (sliding window, recurrent)
         self.costs = StepCosts()
         self._exclusive_before = False  # the last step carried only prompts it ended
-        self._held = 0.0  # predicted seconds prompt chunks have waited for ending lanes, in a row
+        self._held = 0.0  # predicted seconds of the steps prompt chunks were held out of for ending lanes
+        self._held_before = 0.0  # its value before the step last planned (restored if it is dropped)
 
     def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
         """This step's requests for the running `lanes` within `room` free cells: (decode,
@@ -185,9 +187,13 @@ class Planner:
             prefill = kept
             exclusive = len(kept) < len(prefilling)  # a prompt waits: the next step goes by urgency
         self._exclusive_before = exclusive
-        partial = any(len(request.tokens) < live.pending for live, request in prefill)
-        step = self._ending_step(decode, seconds) if partial else None
-        if step is not None and self._held + step <= seconds:
+        self._held_before = self._held
+        partial = [live for live, request in prefill if len(request.tokens) < live.pending]
+        if not partial:  # nothing held back (a short prompt's step does not end a hold)
+            if not prefilling:
+                self._held = 0.0  # no prompt waits: a later one starts afresh
+            return decode, prefill
+        if self._lanes_ending(decode, partial, seconds):
             # Lanes that end within one step's time decode first, in steps of their own: no chunk
             # of a prompt the step cannot end goes beside them (a prompt it feeds whole still
             # does, so a short request's first token does not wait). Where chunks run apart from
@@ -195,28 +201,35 @@ class Planner:
             # beside its own lane's instead of between two chunks of the next prompt: when the
             # lane ends it leaves one hole, not single cells between the chunks for later prompts
             # to be spread over (a prompt whose cells share blocks of 64 with other sequences
-            # makes its tiles compute those blocks too). The chunks wait at most one step's time
-            # in a row, however many short requests keep arriving.
-            self._held += step
-            return decode, [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
+            # makes its tiles compute those blocks too). The chunks wait for such steps at most
+            # one step's time in all before they go again, however many short requests keep
+            # arriving (their own steps between these count as before: never two in a row).
+            kept = [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
+            predicted = self.costs.seconds_for(len(decode) + sum(len(request.tokens) for _, request in kept))
+            if predicted is not None and self._held + predicted <= seconds:
+                self._held += predicted
+                return decode, kept
         self._held = 0.0
         return decode, prefill
 
-    def _ending_step(self, decode: list, seconds: float | None) -> float | None:
-        """The predicted seconds of a step of these decode tokens alone where some lane among them
-        ends within `seconds` of such steps (its request's max_tokens reached, one token a step)
-        and the engine runs prompt chunks apart from decode tokens; else None."""
+    def _lanes_ending(self, decode: list, partial: list[Live], seconds: float | None) -> bool:
+        """True where the engine runs prompt chunks apart from decode tokens and a decoding lane
+        ends within `seconds` of steps of these decode tokens (its request's max_tokens reached,
+        one token a step; a reply that ends on its own is not foreseen), of a class at least as
+        urgent as every prompt of `partial` (those the step feeds only in part)."""
         if not decode or seconds is None or not self.descriptor.packing.chunks_apart:
-            return None
+            return False
         step = self.costs.seconds_for(len(decode))
         if step is None:
-            return None
-        left = min(live.job.request.max_tokens - live.job.produced for live, _ in decode)
-        return step if left * step <= seconds else None
+            return False
+        waiting = min(live.job.priority for live in partial)
+        return any(live.job.priority <= waiting and (live.job.request.max_tokens - live.job.produced) * step <= seconds
+                   for live, _ in decode)
 
     def step_dropped(self) -> None:
         """The step last planned did not run (interrupted, or planned again for an arrival)."""
         self._exclusive_before = False
+        self._held = self._held_before
 
     def _chunks(self, prefilling: list[Live], decode: list, room: int, seconds: float | None,
                 ends_first: bool) -> list:

@@ -45,9 +45,11 @@ def test_describe_prices_cells_by_cache_type(engine_for):
     assert info.kv_cells_reason == f"n_ctx={info.kv_cells}, as given"  # the fixture gives n_ctx
 
 
-@pytest.mark.parametrize("options, apart", [({"flash_attn": True}, True), ({}, False),
-                                             ({"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}, False),
-                                             ({"flash_attn": True, "cache_type_v": "q8_0"}, False)])
+@pytest.mark.parametrize("options, apart", [
+    ({"flash_attn": True}, True), ({"flash_attn": True, "cache_type_k": "f32", "cache_type_v": "f32"}, True),
+    ({}, False), ({"flash_attn": True, "cache_type_k": "f16", "cache_type_v": "f32"}, False),
+    ({"flash_attn": True, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}, False),
+    ({"flash_attn": True, "cache_type_v": "q8_0"}, False)])
 def test_prompt_chunks_run_apart_only_where_the_cpu_kernel_tiles_attention(wide_model, options, apart):
     # ggml's CPU flash attention tiles 64 query rows over an f16/f32 cache whose K and V share a
     # type: only there do a chunk's forward and where decode tokens' cells land matter
