@@ -43,7 +43,7 @@ def cell_host(tmp_path, clock):
 
         def factory():
             engines.append(engine_class(cells, max_sequences=max_sequences, step_seconds=step_seconds,
-                                        **({"chunks_apart": True} if chunks_apart else {})))
+                                        chunks_apart=chunks_apart))
             return engines[0] if gate is None else gate.wrap(engines[0])
 
         name = unique_pool_name()
