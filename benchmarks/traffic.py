@@ -1,7 +1,10 @@
 """Traffic as users send it: `superfluid serve` against llama.cpp's llama-server, side by side.
 
 Each server runs in its own child process, one after the other, on the same GGUF, 2 threads and
-flash attention on: ours with serve's defaults (cells sized from memory), llama-server with its
+flash attention on, in `rounds` rounds: every server is started afresh in each round, and every
+other round takes them in the reverse order, so that the machine's drift over the run (10-30%
+within an hour on a shared machine) falls on every server alike; a figure's samples are its
+rounds' together. The servers: ours with serve's defaults (cells sized from memory), llama-server with its
 defaults (4 slots on 8,192 cells) and with `-np 8 --kv-unified` (8 slots sharing one cache of as
 many cells as ours sized: on 8,192 the six agents overflow it). A shape a server fails is noted
 as FAILED, with its error, and the others go on. Every shape is
@@ -75,11 +78,13 @@ class TrafficSizes:
     steps: int = 5
     preamble: int = 1200
     reply: int = 32
+    rounds: int = 2  # every server in turn, the order reversed in the next round
 
 
 FULL = TrafficSizes()
 QUICK = TrafficSizes(decode_tokens=64, decode_repeat=2, conversations=6, turns=2, document=300, clients=2,
-                     documents=2, long=600, chat_every=0.5, chats=5, agents=3, steps=2, preamble=400, reply=8)
+                     documents=2, long=600, chat_every=0.5, chats=5, agents=3, steps=2, preamble=400, reply=8,
+                     rounds=1)
 
 
 def chat(served: servers.Served, messages: list[dict], max_tokens: int) -> tuple[str, int]:
@@ -223,46 +228,31 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None]) -> None:
-    """Every shape on each server, one server at a time, then the ratios against each peer."""
+    """Every shape on each server, one server at a time, in `sizes.rounds` rounds (the servers'
+    order reversed every other round), then the ratios against each peer."""
     shapes = [("decoding, one stream", lambda r, s: decoding(r, s, sizes, 1)),
               ("decoding, four streams", lambda r, s: decoding(r, s, sizes, 4)),
               ("conversations", lambda r, s: conversations(r, s, sizes)),
               ("documents beside chats", lambda r, s: documents_beside_chats(r, s, sizes)),
               ("agents", lambda r, s: agents(r, s, sizes))]
     cells: dict[str, int] = {}  # ours' cells, once it has sized them, for the 8-slot peer
+    rounds = []
     with tempfile.TemporaryDirectory() as scratch:
-        for start in (lambda: servers.start_ours(model, None, scratch),
-                      lambda: servers.start_ours(model, None, scratch, extra=("--disk-tier", "no"),
-                                                 label=servers.OURS_NO_DISK),
-                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
-                      lambda: servers.start_peer(model, cells["ours"], slots=8, extra=("-fa", "on"))):
-            served = start()
-            try:
-                if served.label == servers.OURS:
-                    cells["ours"] = json.loads(served.get("/health"))["kv"]["cells"]
-                    run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)",
-                             cells["ours"])
-                chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
-                tiers_before = served.metrics("superfluid_kv_tier_") if served.label == servers.OURS else None
-                for name, shape in shapes:
-                    before = served.counts()
-                    try:
-                        shape(run, served)
-                    except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
-                        run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
-                    # what its caches and slots did not hold, it prefilled: the count says which it reused
-                    run.note(f"{served.label}: {name}: prompt tokens evaluated",
-                             int(served.counts()["prompt"] - before["prompt"]))
-                    tick(f"{served.label}: {name}")
-                if tiers_before is not None:  # what came back from disk and what the tier wrote, over the shapes
-                    tiers = served.metrics("superfluid_kv_tier_")
-                    run.note(f"{served.label}: disk tier hits / misses / bytes written / bytes read",
-                             " / ".join(f"{tiers.get(key, 0) - tiers_before.get(key, 0):.0f}" for key in (
-                                 'superfluid_kv_tier_hits_total{tier="disk"}', 'superfluid_kv_tier_misses_total{tier="disk"}',
-                                 'superfluid_kv_tier_bytes_written_total{tier="disk"}',
-                                 'superfluid_kv_tier_bytes_read_total{tier="disk"}')))
-            finally:
-                served.stop()
+        starts = [lambda: servers.start_ours(model, None, scratch),
+                  lambda: servers.start_ours(model, None, scratch, extra=("--disk-tier", "no"),
+                                             label=servers.OURS_NO_DISK),
+                  lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
+                  lambda: servers.start_peer(model, cells["ours"], slots=8, extra=("-fa", "on"))]
+        for number in range(sizes.rounds):
+            this = Run(run.name)
+            for start in starts if number % 2 == 0 else starts[::-1]:  # (ours first: it sizes the cells)
+                served = start()
+                try:
+                    _every_shape(this, served, shapes, cells, tick, f"round {number + 1}/{sizes.rounds}: ")
+                finally:
+                    served.stop()
+            rounds.append(this)
+    _merge(run, rounds)
     for label in (label_streams(1), label_streams(4), label_conversations(sizes), label_documents(sizes), CHATS,
                   label_agents(sizes)):
         if f"{servers.OURS}: {label}" not in run.figures:
@@ -283,6 +273,45 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
             samples = run.figures[f"{server}: {CHATS}"].samples
             run.note(f"{server}: short chats' first token p50 / p95 (s)",
                      f"{percentile(samples, 50):.3f} / {percentile(samples, 95):.3f} of {len(samples)}")
+
+
+def _every_shape(run: Run, served: servers.Served, shapes: list, cells: dict[str, int],
+                 tick: Callable[[str], None], round_name: str) -> None:
+    """Each of `shapes` on `served`, with what each made it prefill and (ours) what its disk tier
+    did; progress told through `tick`, after `round_name`."""
+    if served.label == servers.OURS:
+        cells["ours"] = json.loads(served.get("/health"))["kv"]["cells"]
+        run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)", cells["ours"])
+    chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
+    tiers_before = served.metrics("superfluid_kv_tier_") if served.label == servers.OURS else None
+    for name, shape in shapes:
+        before = served.counts()
+        try:
+            shape(run, served)
+        except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
+            run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
+        # what its caches and slots did not hold, it prefilled: the count says which it reused
+        run.note(f"{served.label}: {name}: prompt tokens evaluated", int(served.counts()["prompt"] - before["prompt"]))
+        tick(f"{round_name}{served.label}: {name}")
+    if tiers_before is not None:  # what came back from disk and what the tier wrote, over the shapes
+        tiers = served.metrics("superfluid_kv_tier_")
+        run.note(f"{served.label}: disk tier hits / misses / bytes written / bytes read",
+                 " / ".join(f"{tiers.get(key, 0) - tiers_before.get(key, 0):.0f}" for key in (
+                     'superfluid_kv_tier_hits_total{tier="disk"}', 'superfluid_kv_tier_misses_total{tier="disk"}',
+                     'superfluid_kv_tier_bytes_written_total{tier="disk"}',
+                     'superfluid_kv_tier_bytes_read_total{tier="disk"}')))
+
+
+def _merge(run: Run, rounds: list[Run]) -> None:
+    """Each figure of `rounds` into `run`, its samples those of every round in order; a note
+    that differs between rounds keeps each round's value, joined by " | "."""
+    for label in dict.fromkeys(label for this in rounds for label in this.figures):
+        measured = [this.figures[label] for this in rounds if label in this.figures]
+        run.record(label, [sample for figure in measured for sample in figure.samples], unit=measured[0].unit,
+                   nbytes=measured[0].nbytes)
+    for key in dict.fromkeys(key for this in rounds for key in this.notes):
+        values = [this.notes[key] for this in rounds if key in this.notes]
+        run.note(key, values[0] if all(value == values[0] for value in values) else " | ".join(map(str, values)))
 
 
 def main(argv: list[str] | None = None) -> int:
