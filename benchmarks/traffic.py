@@ -1,12 +1,13 @@
 """Traffic as users send it: `superfluid serve` against llama.cpp's llama-server, side by side.
 
 Each server runs in its own child process, one after the other, on the same GGUF, 2 threads and
-flash attention on, in `rounds` rounds: every server is started afresh in each round, and every
-other round takes them in the reverse order, so that the machine's drift over the run (10-30%
+flash attention on, in `passes` passes: every server is started afresh in each pass, and every
+other pass takes them in the reverse order, so that the machine's drift over the run (10-30%
 within an hour on a shared machine) falls on every server alike; a figure's samples are its
-rounds' together. The servers: ours with serve's defaults (cells sized from memory), llama-server with its
-defaults (4 slots on 8,192 cells) and with `-np 8 --kv-unified` (8 slots sharing one cache of as
-many cells as ours sized: on 8,192 the six agents overflow it). A shape a server fails is noted
+passes' together (a full run, two passes, takes about 40 minutes on 2 cores). The servers: ours
+with serve's defaults (cells sized from memory), llama-server with its defaults (4 slots on
+8,192 cells) and with `-np 8 --kv-unified` (8 slots sharing one cache of as many cells as ours
+sized in the first pass: on 8,192 the six agents overflow it). A shape a server fails is noted
 as FAILED, with its error, and the others go on. Every shape is
 driven with the official openai client as OpenAI clients send it: chat completions, no priority
 field, greedy, each reply exactly `reply` tokens long (`ignore_eos`, which both take).
@@ -78,13 +79,13 @@ class TrafficSizes:
     steps: int = 5
     preamble: int = 1200
     reply: int = 32
-    rounds: int = 2  # every server in turn, the order reversed in the next round
+    passes: int = 2  # every server in turn, the order reversed in the next pass
 
 
 FULL = TrafficSizes()
 QUICK = TrafficSizes(decode_tokens=64, decode_repeat=2, conversations=6, turns=2, document=300, clients=2,
                      documents=2, long=600, chat_every=0.5, chats=5, agents=3, steps=2, preamble=400, reply=8,
-                     rounds=1)
+                     passes=1)
 
 
 def chat(served: servers.Served, messages: list[dict], max_tokens: int) -> tuple[str, int]:
@@ -228,31 +229,39 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None]) -> None:
-    """Every shape on each server, one server at a time, in `sizes.rounds` rounds (the servers'
-    order reversed every other round), then the ratios against each peer."""
+    """Every shape on each server, one server at a time, in `sizes.passes` passes (the servers'
+    order reversed every other pass), then the ratios against each peer."""
+    if sizes.passes < 1:
+        raise ValueError(f"passes={sizes.passes}: at least 1")
     shapes = [("decoding, one stream", lambda r, s: decoding(r, s, sizes, 1)),
               ("decoding, four streams", lambda r, s: decoding(r, s, sizes, 4)),
               ("conversations", lambda r, s: conversations(r, s, sizes)),
               ("documents beside chats", lambda r, s: documents_beside_chats(r, s, sizes)),
               ("agents", lambda r, s: agents(r, s, sizes))]
-    cells: dict[str, int] = {}  # ours' cells, once it has sized them, for the 8-slot peer
-    rounds = []
+    cells: dict[str, int] = {}  # what ours sized in the first pass, for the 8-slot peer in every pass
+    passes: list[Run] = []
     with tempfile.TemporaryDirectory() as scratch:
         starts = [lambda: servers.start_ours(model, None, scratch),
                   lambda: servers.start_ours(model, None, scratch, extra=("--disk-tier", "no"),
                                              label=servers.OURS_NO_DISK),
                   lambda: servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")),
                   lambda: servers.start_peer(model, cells["ours"], slots=8, extra=("-fa", "on"))]
-        for number in range(sizes.rounds):
+        for number in range(sizes.passes):
             this = Run(run.name)
-            for start in starts if number % 2 == 0 else starts[::-1]:  # (ours first: it sizes the cells)
+            named = f"pass {number + 1}/{sizes.passes}: " if sizes.passes > 1 else ""
+            # the first pass starts ours first, so the 8-slot peer knows the cells before it starts
+            for start in starts if number % 2 == 0 else starts[::-1]:
                 served = start()
                 try:
-                    _every_shape(this, served, shapes, cells, tick, f"round {number + 1}/{sizes.rounds}: ")
+                    if served.label == servers.OURS and "ours" not in cells:
+                        cells["ours"] = json.loads(served.get("/health"))["kv"]["cells"]
+                        run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)",
+                                 cells["ours"])
+                    _every_shape(this, served, shapes, tick, named)
                 finally:
                     served.stop()
-            rounds.append(this)
-    _merge(run, rounds)
+            passes.append(this)
+    merge_passes(run, passes)
     for label in (label_streams(1), label_streams(4), label_conversations(sizes), label_documents(sizes), CHATS,
                   label_agents(sizes)):
         if f"{servers.OURS}: {label}" not in run.figures:
@@ -275,13 +284,10 @@ def bench(run: Run, model: Path, sizes: TrafficSizes, tick: Callable[[str], None
                      f"{percentile(samples, 50):.3f} / {percentile(samples, 95):.3f} of {len(samples)}")
 
 
-def _every_shape(run: Run, served: servers.Served, shapes: list, cells: dict[str, int],
-                 tick: Callable[[str], None], round_name: str) -> None:
+def _every_shape(run: Run, served: servers.Served, shapes: list, tick: Callable[[str], None],
+                 named: str) -> None:
     """Each of `shapes` on `served`, with what each made it prefill and (ours) what its disk tier
-    did; progress told through `tick`, after `round_name`."""
-    if served.label == servers.OURS:
-        cells["ours"] = json.loads(served.get("/health"))["kv"]["cells"]
-        run.note("cells: ours (sized from memory) and llama-server -np 8 --kv-unified (the same)", cells["ours"])
+    did; each shape's end told to `tick` after `named` (which pass it is)."""
     chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs go here
     tiers_before = served.metrics("superfluid_kv_tier_") if served.label == servers.OURS else None
     for name, shape in shapes:
@@ -292,7 +298,7 @@ def _every_shape(run: Run, served: servers.Served, shapes: list, cells: dict[str
             run.note(f"{served.label}: {name} FAILED", f"{type(exc).__name__}: {exc}"[:300])
         # what its caches and slots did not hold, it prefilled: the count says which it reused
         run.note(f"{served.label}: {name}: prompt tokens evaluated", int(served.counts()["prompt"] - before["prompt"]))
-        tick(f"{round_name}{served.label}: {name}")
+        tick(f"{named}{served.label}: {name}")
     if tiers_before is not None:  # what came back from disk and what the tier wrote, over the shapes
         tiers = served.metrics("superfluid_kv_tier_")
         run.note(f"{served.label}: disk tier hits / misses / bytes written / bytes read",
@@ -302,17 +308,21 @@ def _every_shape(run: Run, served: servers.Served, shapes: list, cells: dict[str
                      'superfluid_kv_tier_bytes_read_total{tier="disk"}')))
 
 
-def _merge(run: Run, rounds: list[Run]) -> None:
-    """Each figure of `rounds` into `run`, its samples those of every round in order; a note
-    that differs between rounds keeps each round's value, joined by " | "."""
-    for label in dict.fromkeys(label for this in rounds for label in this.figures):
-        measured = [this.figures[label] for this in rounds if label in this.figures]
+def merge_passes(run: Run, passes: list[Run]) -> None:
+    """Each figure of `passes` into `run`, its samples those of every pass in order. A note the
+    same in every pass is kept as it is; one that differs, or that some pass lacks (a shape one
+    pass failed), keeps each pass's value, named: "pass 1: ... | pass 2: ..."."""
+    for label in dict.fromkeys(label for this in passes for label in this.figures):
+        measured = [this.figures[label] for this in passes if label in this.figures]
         run.record(label, [sample for figure in measured for sample in figure.samples], unit=measured[0].unit,
                    nbytes=measured[0].nbytes)
-    for key in dict.fromkeys(key for this in rounds for key in this.notes):
-        values = [this.notes[key] for this in rounds if key in this.notes]
-        run.note(key, values[0] if all(value == values[0] for value in values) else " | ".join(map(str, values)))
-
+    for key in dict.fromkeys(key for this in passes for key in this.notes):
+        values = [this.notes.get(key) for this in passes]
+        if all(key in this.notes for this in passes) and all(value == values[0] for value in values):
+            run.note(key, values[0])
+        else:
+            run.note(key, " | ".join(f"pass {number}: {this.notes[key]}"
+                                     for number, this in enumerate(passes, 1) if key in this.notes))
 
 def main(argv: list[str] | None = None) -> int:
     return servers.standalone(argv, __doc__.splitlines()[0], "bench-traffic", bench, FULL, QUICK)
