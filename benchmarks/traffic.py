@@ -4,7 +4,7 @@ Each server runs in its own child process, one after the other, on the same GGUF
 flash attention on, in `passes` passes: every server is started afresh in each pass, and every
 other pass takes them in the reverse order, so that the machine's drift over the run (10-30%
 within an hour on a shared machine) falls on every server alike; a figure's samples are its
-passes' together (a full run, two passes, takes about 40 minutes on 2 cores). The servers: ours
+passes' together (a full run, two passes, takes about 26 minutes on 2 cores). The servers: ours
 with serve's defaults (cells sized from memory), llama-server with its defaults (4 slots on
 8,192 cells) and with `-np 8 --kv-unified` (8 slots sharing one cache of as many cells as ours
 sized in the first pass: on 8,192 the six agents overflow it). A shape a server fails is noted
