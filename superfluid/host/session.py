@@ -105,6 +105,8 @@ class Generation:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arrived: asyncio.Event | None = None
         self._waiting = False  # the async reader may be waiting: the next put wakes it
+        self._ended = False  # the scheduler has put the end (the async reader's watch stops)
+        self._dead = False  # the watch found the scheduler stopped: a wait raises instead
 
     # -- the scheduler's side
     def _put(self, piece: Piece, wakes: Wakes | None = None) -> None:
@@ -115,6 +117,7 @@ class Generation:
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self._queue.put(_Finished(reason, error))
+        self._ended = True
         self._woken(None)
 
     def _woken(self, wakes: Wakes | None) -> None:
@@ -145,9 +148,23 @@ class Generation:
             return self._accept(item, StopIteration)
 
     def __aiter__(self) -> AsyncIterator[Piece]:
-        self._arrived = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._arrived = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            self._loop.call_later(LIVENESS_SECONDS, self._watch)
         return self
+
+    def _watch(self) -> None:
+        # On the reader's loop, every LIVENESS_SECONDS until the generation has ended: a
+        # scheduler that stopped without ending it wakes the reader, which raises HostClosed.
+        # One timer a generation, not one a wait: a wait is on the path of every streamed token.
+        if self._ended:
+            return
+        if not self._alive():
+            self._dead = True
+            self._arrived.set()
+            return
+        self._loop.call_later(LIVENESS_SECONDS, self._watch)
 
     async def __anext__(self) -> Piece:
         if self._loop is None:  # read without `async for`
@@ -160,11 +177,9 @@ class Generation:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                try:
-                    async with asyncio.timeout(LIVENESS_SECONDS):
-                        await self._arrived.wait()
-                except TimeoutError:
+                if self._dead:
                     self._check_alive()
+                await self._arrived.wait()
                 continue
             self._waiting = False  # busy with this piece: it looks at the queue before it waits again
             return self._accept(item, StopAsyncIteration)

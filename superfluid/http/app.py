@@ -75,6 +75,10 @@ class Exchange:
         self.over_capacity = bool(scope.get("state", {}).get(OVER_CAPACITY))
         self._abort = scope.get("state", {}).get(ABORT)  # cuts the connection (connections.py)
         self.send_timeout, self._on_stall = send_timeout, on_stall
+        self._sending_since: float | None = None  # when the write in progress began (loop time)
+        self._send_watch: asyncio.TimerHandle | None = None  # the send deadline's timer, while armed
+        self._writer: asyncio.Task | None = None  # the task writing the response
+        self._stalled = False  # the send deadline passed: the connection was cut
         self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.receive, self._send = receive, send
         self.worker_headers = {worker.HEADER: worker_name} if worker_name else {}
@@ -156,18 +160,50 @@ class Exchange:
         if self.gone:
             return
         message = {"type": "http.response.body", "body": data, "more_body": more}
-        try:
-            async with asyncio.timeout(self.send_timeout):
+        if self.send_timeout is None:
+            await self._send(message)
+        else:
+            loop = asyncio.get_running_loop()
+            self._sending_since = loop.time()
+            if self._send_watch is None:
+                self._writer = asyncio.current_task()
+                self._send_watch = loop.call_at(self._sending_since + self.send_timeout, self._check_send)
+            try:
                 await self._send(message)
-        except TimeoutError:
-            self.gone = True
-            self._on_stall()
-            if self._abort is not None:
-                self._abort()  # a close would wait for the client to read what is buffered: forever
-                await asyncio.sleep(0)  # the connection's loss is handled before the response is given up
-            raise ClientStalled(f"the client read nothing for {self.send_timeout:g} s (serve's --send-timeout)") \
-                from None
+            except asyncio.CancelledError:
+                if not self._stalled:
+                    raise
+                self._writer.uncancel()  # cancelled by the deadline (no way to cut the connection)
+            finally:
+                self._sending_since = None
+            if self._stalled:
+                raise ClientStalled(f"the client read nothing for {self.send_timeout:g} s (serve's --send-timeout)")
         self.finished = self.finished or not more
+
+    def done(self) -> None:
+        """The request is answered (or given up): the send deadline's timer goes with it."""
+        if self._send_watch is not None:
+            self._send_watch.cancel()
+            self._send_watch = None
+
+    def _check_send(self) -> None:
+        # The send deadline's timer: one armed at a time by a write, not one a write (a streamed
+        # token's write is on the path of every token; almost all go out at once). A write still
+        # waiting `send_timeout` after it began cuts the connection, which ends the wait.
+        self._send_watch = None
+        began = self._sending_since
+        if began is None:
+            return  # no write waits: the next one arms the timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() < began + self.send_timeout:
+            self._send_watch = loop.call_at(began + self.send_timeout, self._check_send)
+            return
+        self._stalled = self.gone = True
+        self._on_stall()
+        if self._abort is not None:
+            self._abort()  # a close would wait for the client to read what is buffered: forever
+        else:
+            self._writer.cancel()
 
     async def json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         """A whole JSON response."""
@@ -248,6 +284,7 @@ class App:
                     headers = {"Retry-After": "1", **(headers or {})}
                 await exchange.json(status, body, headers)
         finally:
+            exchange.done()
             if exchange.gone:
                 status = 499
             self.metrics.count(route, status, exchange.tenant)

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from superfluid.host import session as session_module
+from superfluid.host.errors import HostClosed
 from superfluid.host.session import Generation, Piece
 
 
@@ -72,3 +73,44 @@ def test_a_steps_pieces_wake_each_readers_loop_once():
 
     pieces, calls = asyncio.run(read())
     assert pieces == [Piece(str(i), i) for i in range(4)] and calls == 1
+
+
+def test_an_async_reader_hears_of_a_scheduler_that_stopped_without_ending_it():
+    # One liveness timer a generation (not one a wait, which every streamed token would pay): a
+    # reader waiting on a scheduler that stopped is woken by it and raises; pieces put before
+    # the stop are read first.
+    generation = Generation("s")
+    alive = threading.Event()
+    alive.set()
+    generation._alive = alive.is_set
+
+    async def read() -> tuple[list[Piece], float, int]:
+        loop = asyncio.get_running_loop()
+        timers = []
+        call_at = loop.call_at  # (call_later and asyncio.timeout arm their timers through it)
+        loop.call_at = lambda *args, **kw: (timers.append(args), call_at(*args, **kw))[1]
+        pieces = generation.__aiter__()
+        got = []
+        for number in range(200):  # 200 waits, each woken by a put from the scheduler's side
+            putter = threading.Thread(target=lambda n=number: (_wait_until(lambda: generation._waiting),
+                                                               generation._put(Piece(str(n), n))))
+            putter.start()
+            got.append(await anext(pieces))
+            putter.join()
+        generation._put(Piece("last", 7))
+        alive.clear()  # the scheduler stops without ending the generation
+        began = loop.time()
+        got.append(await anext(pieces))  # put before the stop: read, not lost
+        with pytest.raises(HostClosed, match="scheduler stopped"):
+            await anext(pieces)
+        return got, loop.time() - began, len(timers)
+
+    got, waited, timers = asyncio.run(read())
+    assert got == [*(Piece(str(n), n) for n in range(200)), Piece("last", 7)]
+    assert waited < 30 * session_module.LIVENESS_SECONDS  # heard of, not waited on forever
+    assert timers < 200  # not one a wait
+
+
+def _wait_until(condition) -> None:
+    while not condition():
+        threading.Event().wait(0.001)
