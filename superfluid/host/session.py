@@ -148,23 +148,24 @@ class Generation:
             return self._accept(item, StopIteration)
 
     def __aiter__(self) -> AsyncIterator[Piece]:
-        if self._loop is None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # (read again on another loop: its wakes and its watch move there)
             self._arrived = asyncio.Event()
-            self._loop = asyncio.get_running_loop()
-            self._loop.call_later(LIVENESS_SECONDS, self._watch)
+            self._loop = loop
+            loop.call_later(LIVENESS_SECONDS, self._watch, loop)
         return self
 
-    def _watch(self) -> None:
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         # On the reader's loop, every LIVENESS_SECONDS until the generation has ended: a
         # scheduler that stopped without ending it wakes the reader, which raises HostClosed.
         # One timer a generation, not one a wait: a wait is on the path of every streamed token.
-        if self._ended:
+        if self._ended or loop is not self._loop:
             return
         if not self._alive():
             self._dead = True
             self._arrived.set()
             return
-        self._loop.call_later(LIVENESS_SECONDS, self._watch)
+        loop.call_later(LIVENESS_SECONDS, self._watch, loop)
 
     async def __anext__(self) -> Piece:
         if self._loop is None:  # read without `async for`

@@ -78,7 +78,8 @@ class Exchange:
         self._sending_since: float | None = None  # when the write in progress began (loop time)
         self._send_watch: asyncio.TimerHandle | None = None  # the send deadline's timer, while armed
         self._writer: asyncio.Task | None = None  # the task writing the response
-        self._stalled = False  # the send deadline passed: the connection was cut
+        self._stalled = False  # the send deadline passed: the response is given up
+        self._cancelled_writer = False  # ...and the writer was cancelled (no way to cut the connection)
         self.arrived = time.perf_counter()  # first-token and latency clocks start here
         self.receive, self._send = receive, send
         self.worker_headers = {worker.HEADER: worker_name} if worker_name else {}
@@ -155,8 +156,9 @@ class Exchange:
 
     async def write(self, data: bytes, *, more: bool) -> None:
         """Body bytes; `more=False` ends the response. ClientStalled when they cannot go out within
-        the send deadline (the client reads nothing): the connection is cut, and the disconnect
-        watcher cancels the generation; nothing is written after that."""
+        the send deadline (the client reads nothing): the connection is cut (serve's protocol puts
+        the way to cut it in the scope; elsewhere the write is cancelled instead), and the
+        disconnect watcher cancels the generation; nothing is written after that."""
         if self.gone:
             return
         message = {"type": "http.response.body", "body": data, "more_body": more}
@@ -171,12 +173,15 @@ class Exchange:
             try:
                 await self._send(message)
             except asyncio.CancelledError:
-                if not self._stalled:
+                if not self._cancelled_writer:
                     raise
-                self._writer.uncancel()  # cancelled by the deadline (no way to cut the connection)
+                self._cancelled_writer = False
+                if self._writer.uncancel() > 0:
+                    raise  # cancelled from outside too: that cancellation goes on
             finally:
                 self._sending_since = None
             if self._stalled:
+                await asyncio.sleep(0)  # the connection's loss is handled before the response is given up
                 raise ClientStalled(f"the client read nothing for {self.send_timeout:g} s (serve's --send-timeout)")
         self.finished = self.finished or not more
 
@@ -189,7 +194,8 @@ class Exchange:
     def _check_send(self) -> None:
         # The send deadline's timer: one armed at a time by a write, not one a write (a streamed
         # token's write is on the path of every token; almost all go out at once). A write still
-        # waiting `send_timeout` after it began cuts the connection, which ends the wait.
+        # waiting `send_timeout` after it began cuts the connection, which ends the wait (uvicorn
+        # resumes a send waiting to drain when its connection is lost).
         self._send_watch = None
         began = self._sending_since
         if began is None:
@@ -199,11 +205,14 @@ class Exchange:
             self._send_watch = loop.call_at(began + self.send_timeout, self._check_send)
             return
         self._stalled = self.gone = True
-        self._on_stall()
-        if self._abort is not None:
-            self._abort()  # a close would wait for the client to read what is buffered: forever
-        else:
-            self._writer.cancel()
+        try:
+            if self._abort is not None:
+                self._abort()  # a close would wait for the client to read what is buffered: forever
+            else:
+                self._cancelled_writer = True
+                self._writer.cancel()
+        finally:
+            self._on_stall()
 
     async def json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         """A whole JSON response."""

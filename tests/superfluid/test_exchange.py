@@ -69,3 +69,54 @@ def test_a_write_the_client_does_not_take_in_time_ends_the_response(cut):
 
     asyncio.run(respond())
     assert stalled == [1] and aborted == ([1] if cut else [])
+
+
+def test_a_write_that_waits_less_than_the_deadline_is_not_cut():
+    # The deadline's timer, armed by an earlier write, fires while a later write waits: it is
+    # armed again for that write's own deadline, and the write goes out.
+    async def respond() -> None:
+        release = asyncio.Event()
+        blocking = {"on": False}
+
+        async def send(message: dict) -> None:
+            if blocking["on"]:
+                await release.wait()
+
+        exchange = exchange_on(send)
+        await exchange.start(200, {"Content-Type": "text/event-stream"})
+        await exchange.write(b"first", more=True)  # arms the timer
+        first_timer = exchange._send_watch
+        await asyncio.sleep(0.1)
+        blocking["on"] = True
+        writing = asyncio.ensure_future(exchange.write(b"slow", more=True))
+        while exchange._send_watch is first_timer:  # the first timer fires while "slow" waits
+            await asyncio.sleep(0.01)
+        release.set()
+        await writing  # no ClientStalled
+        blocking["on"] = False
+        await exchange.write(b"last", more=False)
+        assert exchange.finished and not exchange.gone
+        exchange.done()
+
+    asyncio.run(respond())
+
+
+def test_a_cancellation_from_outside_is_not_taken_for_a_stall():
+    # The deadline cut the connection (which, here, does not end the send), then the task is
+    # cancelled from outside (a server shutting down): the cancellation goes on.
+    async def respond() -> None:
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and message["body"] == b"stuck":
+                await asyncio.Event().wait()
+
+        exchange = exchange_on(send, state={ABORT: lambda: None})
+        await exchange.start(200, {"Content-Type": "text/event-stream"})
+        writing = asyncio.ensure_future(exchange.write(b"stuck", more=True))
+        while not exchange.gone:
+            await asyncio.sleep(0.01)
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        exchange.done()
+
+    asyncio.run(respond())

@@ -84,8 +84,9 @@ def test_an_async_reader_hears_of_a_scheduler_that_stopped_without_ending_it():
     alive.set()
     generation._alive = alive.is_set
 
-    async def read() -> tuple[list[Piece], float, int]:
+    async def read() -> tuple[list[Piece], float, int, float]:
         loop = asyncio.get_running_loop()
+        began_reading = loop.time()
         timers = []
         call_at = loop.call_at  # (call_later and asyncio.timeout arm their timers through it)
         loop.call_at = lambda *args, **kw: (timers.append(args), call_at(*args, **kw))[1]
@@ -103,12 +104,63 @@ def test_an_async_reader_hears_of_a_scheduler_that_stopped_without_ending_it():
         got.append(await anext(pieces))  # put before the stop: read, not lost
         with pytest.raises(HostClosed, match="scheduler stopped"):
             await anext(pieces)
-        return got, loop.time() - began, len(timers)
+        return got, loop.time() - began, len(timers), loop.time() - began_reading
 
-    got, waited, timers = asyncio.run(read())
+    got, waited, timers, elapsed = asyncio.run(read())
     assert got == [*(Piece(str(n), n) for n in range(200)), Piece("last", 7)]
     assert waited < 30 * session_module.LIVENESS_SECONDS  # heard of, not waited on forever
-    assert timers < 200  # not one a wait
+    assert timers <= elapsed / session_module.LIVENESS_SECONDS + 2  # one a liveness period, not one a wait
+
+
+def test_the_liveness_watch_ends_with_the_generation(monkeypatch):
+    monkeypatch.setattr(session_module, "LIVENESS_SECONDS", 0.01)
+    generation = Generation("s")
+
+    async def read() -> int:
+        loop = asyncio.get_running_loop()
+        timers = []
+        call_at = loop.call_at
+        loop.call_at = lambda *args, **kw: (timers.append(args), call_at(*args, **kw))[1]
+        pieces = generation.__aiter__()
+        generation._put(Piece("a", 1))
+        generation._finish("stop")
+        assert await anext(pieces) == Piece("a", 1)
+        with pytest.raises(StopAsyncIteration):
+            await anext(pieces)
+        await asyncio.sleep(0.2)  # twenty liveness periods
+        return len(timers)
+
+    assert asyncio.run(read()) <= 2  # the first, and at most one that found the end
+
+
+@pytest.mark.parametrize("waited", [True, False], ids=["the first loop waited", "it never waited"])
+def test_a_generation_read_again_on_another_loop_is_woken_there(waited):
+    # The first reader's loop is gone; the scheduler's wakes (and the liveness watch) follow the
+    # loop that reads now.
+    generation = Generation("s")
+
+    async def first() -> None:
+        pieces = generation.__aiter__()
+        if waited:
+            putter = threading.Thread(target=lambda: (_wait_until(lambda: generation._waiting),
+                                                      generation._put(Piece("a", 1))))
+            putter.start()
+        else:
+            generation._put(Piece("a", 1))
+        assert await anext(pieces) == Piece("a", 1)
+        if waited:
+            putter.join()
+
+    async def second() -> list[Piece]:
+        putter = threading.Thread(target=lambda: (_wait_until(lambda: generation._waiting),
+                                                  generation._put(Piece("b", 2)), generation._finish("stop")))
+        putter.start()
+        got = [piece async for piece in generation]
+        putter.join()
+        return got
+
+    asyncio.run(first())
+    assert asyncio.run(asyncio.wait_for(second(), 30)) == [Piece("b", 2)]
 
 
 def _wait_until(condition) -> None:
