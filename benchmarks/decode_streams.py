@@ -1,13 +1,16 @@
 """Decode over HTTP at 1, 2, 4 and 8 streams: `superfluid serve` against llama.cpp's llama-server,
 sample by sample.
 
-The three servers run at once, idle but for the one being measured (an idle server sleeps: its
+The four servers run at once, idle but for the one being measured (an idle server sleeps: its
 threads wait on a condition, not spinning), on the same GGUF, 2 threads and flash attention on:
-ours with serve's defaults, llama-server with its defaults (4 slots) and with `-np 8
---kv-unified` on as many cells as ours. Each sample asks N streamed chat completions at once, as
-the official openai client sends them (no priority field, greedy, exactly `tokens` tokens each),
-of each server in turn, so the machine's drift falls on all three alike. The figure is aggregate
-generated tokens/s; the ratio is ours over the better peer at each count (goal: 1).
+ours with serve's defaults, ours writing every token as it comes (`--stream-interval 0`; by
+default a stream's tokens between its first and its end are written together every 20 ms),
+llama-server with its defaults (4 slots) and with `-np 8 --kv-unified` on as many cells as ours.
+Each sample asks N streamed chat completions at once, as the official openai client sends them
+(no priority field, greedy, exactly `tokens` tokens each), of each server in turn, so the
+machine's drift falls on all alike. The figure is aggregate generated tokens/s; the ratio is ours
+over the better peer at each count (goal: 1), and ours over ours writing every token (no goal:
+what the interval buys).
 
     .venv/bin/python benchmarks/decode_streams.py [--quick]
 """
@@ -15,6 +18,7 @@ generated tokens/s; the ratio is ours over the better peer at each count (goal: 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +35,7 @@ from benchmarks.texts import text_of  # noqa: E402
 from benchmarks.traffic import streamed_tokens  # noqa: E402
 
 GROUP = "Decode over HTTP: superfluid serve against llama-server, sample by sample"
+EVERY_TOKEN = "superfluid serve --stream-interval 0"  # ours, each token written as it comes
 
 
 class DecodeSizes(NamedTuple):
@@ -63,6 +68,8 @@ def bench(run: Run, model: Path, sizes: DecodeSizes, tick: Callable[[str], None]
         try:
             running.append(servers.start_ours(model, None, scratch))
             cells = json.loads(running[0].get("/health"))["kv"]["cells"]
+            running.append(servers.start_ours(model, None, str(Path(scratch) / "every-token"), label=EVERY_TOKEN,
+                                              pool=f"bench-serve-every-{os.getpid()}", extra=("--stream-interval", "0")))
             running.append(servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on")))
             running.append(servers.start_peer(model, cells, slots=8, extra=("-fa", "on")))
             for served in running:
@@ -84,6 +91,8 @@ def bench(run: Run, model: Path, sizes: DecodeSizes, tick: Callable[[str], None]
         for peer in peers:
             run.ratio(f"{label(count)}: ours / {peer}", ours=f"{servers.OURS}: {label(count)}",
                       baseline=f"{peer}: {label(count)}", group=GROUP, goal=1 if peer == better else None)
+        run.ratio(f"{label(count)}: ours / ours writing every token", ours=f"{servers.OURS}: {label(count)}",
+                  baseline=f"{EVERY_TOKEN}: {label(count)}", group=GROUP)
 
 
 def main(argv: list[str] | None = None) -> int:

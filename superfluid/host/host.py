@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -72,7 +73,8 @@ class Host:
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
                  max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
-                 decode_step_target: float | None = 0.5, max_sessions: int | None = 1_000_000,
+                 decode_step_target: float | None = 0.5, stream_interval: float = 0.02,
+                 max_sessions: int | None = 1_000_000,
                  max_messages: int | None = 100_000, session_expiry_seconds: float | None = None,
                  disk_tier: bool = True, disk_budget: int | None = None, disk_dir: str | os.PathLike | None = None,
                  engine_factory: Callable[[], Engine] | None = None, churn: Churn | None = None,
@@ -91,6 +93,9 @@ class Host:
         a step waits before its prompt goes first), and in `decode_step_target` seconds while a
         lane decodes for a reader of its tokens as they come (what its next token waits; a
         generation read whole, as `Session.complete` reads it, does not bind it); None: no bound.
+        A generation's first piece reaches its reader as soon as it is sampled, its end as soon
+        as it is written, and the pieces between together, at most every `stream_interval`
+        seconds (each wake of a reader costs the step in flight; 0: every step's pieces at once).
         Limits, each far past what a real conversation meets: `max_sessions` sessions kept
         (TooManySessions beyond), `max_messages` messages in one prompt or one append
         (TooManyMessages); `session_expiry_seconds` deletes a session idle that long (nothing
@@ -112,7 +117,8 @@ class Host:
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
         policy = _policy(prefill_budget=prefill_budget, first_token_target=first_token_target,
-                         decode_step_target=decode_step_target, checkpoint_tokens=checkpoint_tokens,
+                         decode_step_target=decode_step_target, stream_interval=stream_interval,
+                         checkpoint_tokens=checkpoint_tokens,
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
                          max_wait_seconds=max_wait_seconds, watermarks=(high_watermark, low_watermark),
@@ -347,6 +353,9 @@ def _policy(**settings: Any) -> Policy:
                  "session_expiry_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
+    interval = settings["stream_interval"]
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
+        raise ValueError(f"stream_interval={interval!r}: must be seconds >= 0 (0: every step's pieces at once)")
     if settings["churn"] is not None and not isinstance(settings["churn"], Churn):
         raise TypeError(f"churn={settings['churn']!r}: give a superfluid.host.churn.Churn, or None")
     low, high = settings["watermarks"][1], settings["watermarks"][0]

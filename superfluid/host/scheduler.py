@@ -17,7 +17,7 @@ while any generation is active:
        and the free cells; while an interactive lane runs, other classes' prefill waits
     6. sample and commit each lane's token, checkpoint lanes that committed enough tokens since
        they were last parked; the step's log records go out in one write, then its pieces to
-       their readers
+       their readers (a generation's first at once, the others every stream_interval: handoff.py)
     7. hand the log's fsync to its syncer thread (the "tick" policy)
 """
 
@@ -37,12 +37,13 @@ from superfluid.host import sampling as sampler
 from superfluid.host.churn import Churn
 from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
+from superfluid.host.handoff import Handoff
 from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import LogWriteFailed, SessionLog
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
-from superfluid.host.session import Generation, Piece, Wakes, wake_readers
+from superfluid.host.session import Generation, Piece
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher, tier_stats
 from superfluid.host.tenants import TenantLoad, tenant_stats
@@ -71,6 +72,7 @@ class Policy:
     max_pinned_fraction: float = 0.5
     max_sessions: int | None = 1_000_000
     session_expiry_seconds: float | None = None
+    stream_interval: float = 0.02
     churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/host/churn.py)
 
 
@@ -97,6 +99,7 @@ class Scheduler:
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
         self.masks = Masks()  # constrained generations' next masks, computed beside each step
+        self.handoff = Handoff(policy.stream_interval)  # when the steps' pieces reach their readers
 
     def next_order(self) -> int:
         """A number larger than every one handed out before (arrival and recency order)."""
@@ -175,6 +178,7 @@ class Scheduler:
         """After each round of the thread's loop: publish the statistics where due and tell the
         generations that ended (after close the pool and the engine are gone: nothing to
         publish); the churn test mode moves KV on purpose."""
+        self.handoff.round_ended()
         self.announce(publish=not closing)
         self.ticks += 1
         if self.policy.churn is not None and not closing:
@@ -427,10 +431,7 @@ class Scheduler:
                 outbox = self._write_failed(failed, requests)
         finally:
             self._outbox = None
-        wakes: Wakes = {}
-        for generation, piece in outbox:
-            generation._put(piece, wakes)
-        wake_readers(wakes)  # each reader's loop woken once for the whole step
+        self.handoff.step(outbox)  # each reader's loop woken once for the whole step, if at all
 
     def _write_failed(self, failed: LogWriteFailed, requests: list) -> list:
         """The step's records could not be written (the log put the sessions back as the file has

@@ -107,15 +107,33 @@ class Generation:
         self._waiting = False  # the async reader may be waiting: the next put wakes it
         self._ended = False  # the scheduler has put the end (the async reader's watch stops)
         self._dead = False  # the watch found the scheduler stopped: a wait raises instead
+        # the scheduler's side: pieces not handed to the reader yet (handoff.py), and whether any was
+        self._held: list[Piece] = []
+        self._handed_any = False
 
     # -- the scheduler's side
     def _put(self, piece: Piece, wakes: Wakes | None = None) -> None:
-        """Queue `piece` for the reader; with `wakes`, an async reader's wake-up is added there
-        (the caller wakes a step's readers together) instead of made now."""
-        self._queue.put(piece)
+        """Hand `piece` to the reader now, after any pieces held; with `wakes`, an async reader's
+        wake-up is added there (the caller wakes a step's readers together) instead of made now."""
+        self._held.append(piece)
+        self._hand(wakes)
+
+    def _hold(self, piece: Piece) -> None:
+        """Keep `piece` for the next hand-over (handoff.Handoff decides when)."""
+        self._held.append(piece)
+
+    def _hand(self, wakes: Wakes | None) -> None:
+        """Queue the held pieces for the reader, in order, and wake it (see `_put`)."""
+        if not self._held:
+            return
+        for piece in self._held:
+            self._queue.put(piece)
+        self._held.clear()
+        self._handed_any = True
         self._woken(wakes)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        self._hand(None)  # the end comes after every piece, at once
         self._queue.put(_Finished(reason, error))
         self._ended = True
         self._woken(None)

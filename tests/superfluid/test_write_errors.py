@@ -7,6 +7,7 @@ import pytest
 
 from superfluid.host.log import Deleted, LogWriteFailed
 from superfluid.host.request import GenerateRequest, Prompt
+from tests.gate import Gate, decode_steps_of
 
 
 class FullDisk:
@@ -25,19 +26,18 @@ class FullDisk:
 
 
 def test_a_full_disk_ends_the_generations_it_touches_and_the_host_goes_on(open_host):
-    host = open_host()
+    gate = Gate(decode_steps_of(1, 3))  # the disk fills mid-generation, whatever the machine's speed
+    host = open_host(gate=gate)
     disk = FullDisk(host._log)
     chat = host.session()
     chat.append_user("Tell me about Paris.")
     generation = chat.generate(max_tokens=40, ignore_eos=True)
-    pieces = iter(generation)
-    for _ in range(3):
-        next(pieces)
+    gate.wait_reached()
     disk.full = True
+    gate.open()
     with pytest.raises(LogWriteFailed, match="could not be written .*No space left on device"):
-        for _ in pieces:
-            pass
-    assert disk.refused >= 1 and len(generation.tokens) < 40
+        generation.collect()
+    assert disk.refused >= 1 and len(generation.tokens) == 3  # the tokens written before the disk filled
     # a one-shot request writes no records: it is served while the disk is full
     prompt = host.prepare(Prompt(messages=(("user", "Hi"),)))
     _, request = host.call(host.commands.start_request, prompt, GenerateRequest(max_tokens=4, ignore_eos=True))
@@ -58,15 +58,16 @@ def test_a_full_disk_ends_the_generations_it_touches_and_the_host_goes_on(open_h
 
 
 def test_every_generation_sharing_a_failed_write_is_told(open_host):
-    host = open_host()
+    gate = Gate(decode_steps_of(3, 2))  # all three mid-generation when the disk fills
+    host = open_host(gate=gate)
     disk = FullDisk(host._log)
     sessions = [host.session() for _ in range(3)]
     for session in sessions:
         session.append_text("The capital of France is")
-    generations = [session.generate(max_tokens=30, ignore_eos=True) for session in sessions]
-    for generation in generations:
-        next(iter(generation))
+    generations = [session.generate(max_tokens=100_000, ignore_eos=True) for session in sessions]  # (all overlap)
+    gate.wait_reached()
     disk.full = True
+    gate.open()
     for generation in generations:
         with pytest.raises(LogWriteFailed):
             generation.collect()
