@@ -114,6 +114,11 @@ class LlamaCppEngine(Adapter):
         self._logits_in = np.ctypeslib.as_array(self._batch.logits, shape=(self._n_batch,))
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._n_batch,))[:] = 1
         self._seq_slots = [self._batch.seq_id[i] for i in range(self._n_batch)]
+        # llama.cpp's logits rows, read through a view kept per buffer: building one from a ctypes
+        # pointer (np.ctypeslib.as_array) took ~30 us a token with the caches cold after a forward
+        self._logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+            ctypes.cast(api.llama_get_logits, ctypes.c_void_p).value)
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}
         self._slot_seq = [-1] * self._n_batch
         self._free_seqs = list(range(values["n_seq_max"]))
         self._copied = self._copies = 0  # recurrent state copied by forks
@@ -352,18 +357,28 @@ class LlamaCppEngine(Adapter):
                 raise NoRoom(f"llama.cpp found no room in its KV cache for {n} tokens (n_ctx {self._n_ctx}); "
                              "free or truncate sequences, or raise n_ctx")
             raise EngineError(f"llama_decode failed with status {status}")
-        # Every row this forward returns is copied into one block: llama.cpp overwrites its own at
-        # the next decode, and one allocation per forward (not one per row) keeps the per-token
-        # cost flat (fresh large arrays come from fresh pages).
-        block = np.empty((sum(wants), self._n_vocab), dtype=np.float32)
+        # Every row this forward returns is copied, in one block: llama.cpp overwrites its own at
+        # the next decode. Its rows are those the batch asked for, in the batch's order.
+        rows = sum(wants)
+        block = self._logits_rows(rows).copy() if rows else None
         row_index = 0
         for slot in range(n):
             self._lengths[seqs[slot]] = positions[slot] + 1
             if wants[slot]:
-                row = self._api.llama_get_logits_ith(self._ctx, slot)
-                block[row_index] = np.ctypeslib.as_array(row, shape=(self._n_vocab,))
                 results[indices[slot]].append(block[row_index])
                 row_index += 1
+
+    def _logits_rows(self, rows: int) -> np.ndarray:
+        """The last forward's logits, `rows` rows, as a view of llama.cpp's buffer (valid until the
+        next decode; the buffer moves only when llama.cpp grows it, and a view is kept per place)."""
+        address = self._logits_address(self._ctx)
+        view = self._logits_views.get((address, rows))
+        if view is None:
+            if len(self._logits_views) > 64:  # (old places: the buffer grew)
+                self._logits_views.clear()
+            floats = (ctypes.c_float * (rows * self._n_vocab)).from_address(address)
+            view = self._logits_views[address, rows] = np.ctypeslib.as_array(floats).reshape(rows, self._n_vocab)
+        return view
 
     def _resync_lengths(self, seqs: set[int]) -> None:
         for seq in seqs:

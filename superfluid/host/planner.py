@@ -163,6 +163,10 @@ class Planner:
                   if live.pending == 1]
         prefilling = sorted((live for live in lanes if live.pending > 1),
                             key=lambda live: self.urgency(live, live.pending))
+        if not prefilling:  # decode alone (most steps under load): no budget to work out, no hold
+            self._exclusive_before = False
+            self._held_before, self._held = self._held, 0.0
+            return decode, []
         # the decode-step target binds while a lane's reader takes its tokens as they come; a reply
         # read whole waits for the sum of its steps, not for any one of them
         streaming = any(live.job.request.streamed for live, _ in decode)

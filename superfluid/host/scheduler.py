@@ -312,6 +312,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         waiting = [live for live in self.active if live.seq is None]
+        if not waiting:  # (most ticks under load: every generation has its lane)
+            return
         sources = {live: self.kv.source(live) for live in waiting}
         uncached = {live: len(live.state.tokens) - max(s.lane_tokens, s.pool_tokens) for live, s in sources.items()}
         ordered = self.tenants.fair_order(waiting, lambda live: self.urgency(live, uncached[live]), self.kv.lanes,
