@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "being streamed: the longest wait between its tokens while prompts are fed; a reply sent whole (no "
          "`stream`) waits for its end only, so steps beside it are bounded by --first-token-target (default: 0.5)")
     flag("--stream-interval", type=float, default=0.02, help="seconds between the writes of a streamed reply: its "
-         "first token and its end go at once, the tokens between together at most this often (each write costs the "
+         "first text and its end go at once, the tokens between together at most this often (each write costs the "
          "step in flight a little; 0: every token as it comes; default: 0.02)")
     for runtime in registry.RUNTIMES:
         group = parser.add_argument_group(f"{runtime} options", f"for models on the {runtime} runtime")

@@ -1,5 +1,5 @@
-"""When a step's pieces reach their readers: a generation's first piece and its end at once, the
-pieces between together, at most every `interval` seconds.
+"""When a step's pieces reach their readers: a generation's first text and its end at once, the
+pieces between together, each generation's at most every `interval` seconds.
 
 Handing a piece over wakes its reader: a thread blocked on the generation's queue, or an event
 loop (a write to its self-pipe) that resumes the reader's coroutine, encodes the piece and writes
@@ -8,9 +8,15 @@ in flight, and its code runs with the caches cold after the forward. Measured ov
 SmolLM2 (one stream, ~7 ms a token, servers alternating): the event loop's CPU per token fell
 from 0.20 to 0.10 ms with pieces handed every 20 ms (every second or third token), and the whole
 token from 7.57 to 7.18 ms, 0.95 of llama-server's rate to 1.00. What a reader loses is nothing
-it can see: the first token comes as soon as it is sampled (time to first token unchanged), the
-end as soon as it is written, and a display refreshed 50 times a second shows text as smoothly
-as one refreshed every token. Where tokens come slower than the interval, each goes at once.
+it can see: the first text comes as soon as it is sampled (the time to first token unchanged),
+the end as soon as it is written, and a display refreshed 50 times a second shows text as
+smoothly as one refreshed every token. A generation whose tokens come slower than the interval
+has each handed at once.
+
+When one generation's pieces are due, every generation's held pieces go with them: readers on
+one event loop then share one wake, and every generation handed is due again an interval later.
+A step that feeds a prompt may last far longer than the interval (up to the first-token target):
+what is held goes before it, not after.
 """
 
 from __future__ import annotations
@@ -29,25 +35,33 @@ class Handoff:
         self.interval = interval
         self._clock = clock  # real time: the interval paces wakes, whatever clock the host's policies use
         self._holding: dict[Generation, None] = {}  # generations with pieces held, in order
-        self._next = 0.0  # held pieces go at the first step or round that ends at or after this
 
     def step(self, outbox: list[tuple[Generation, Piece]]) -> None:
-        """A step's pieces, in order: each generation's first at once, the others held until due
-        (and all that are due handed now), each reader's loop woken once."""
-        wakes: Wakes = {}
+        """A step's pieces, in order: held, and handed over with all that is held if any
+        generation's are due (a generation's first text is due at once); each reader's loop
+        woken once."""
         for generation, piece in outbox:
             generation._hold(piece)
-            if generation._handed_any:
-                self._holding[generation] = None
-            else:  # its first piece: the time to first token is never held
-                generation._hand(wakes)
+            self._holding[generation] = None
+        wakes: Wakes = {}
         self._hand_due(wakes)
         wake_readers(wakes)
 
-    def round_ended(self) -> None:
-        """After each round of the scheduler's loop: hand what is due, also when no step ran (a
-        piece waits at most the interval, or the step it came in after, if that is longer)."""
+    def before_long_step(self) -> None:
+        """Before a step that feeds a prompt (it may last up to the first-token target): hand over
+        everything held, rather than after it."""
         if self._holding:
+            wakes: Wakes = {}
+            self._hand_all(self._clock(), wakes)
+            wake_readers(wakes)
+
+    def round_ended(self) -> None:
+        """After each round of the scheduler's loop: hand over what is due, also when no step ran
+        (a generation waiting for room has its pieces handed on time), and forget generations
+        that ended (they handed their own)."""
+        if self._holding:
+            for generation in [g for g in self._holding if not g._held]:
+                del self._holding[generation]
             wakes: Wakes = {}
             self._hand_due(wakes)
             wake_readers(wakes)
@@ -60,9 +74,11 @@ class Handoff:
         if not self._holding:
             return
         now = self._clock()
-        if now < self._next:
-            return
-        for generation in self._holding:  # (one that ended meanwhile handed its own: nothing left)
-            generation._hand(wakes)
+        if any(now >= generation._due for generation in self._holding):
+            self._hand_all(now, wakes)
+
+    def _hand_all(self, now: float, wakes: Wakes) -> None:
+        for generation in self._holding:
+            if generation._hand(wakes):  # (a piece with no text yet, say half a character: not due later)
+                generation._due = now + self.interval
         self._holding.clear()
-        self._next = now + self.interval

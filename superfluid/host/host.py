@@ -93,7 +93,7 @@ class Host:
         a step waits before its prompt goes first), and in `decode_step_target` seconds while a
         lane decodes for a reader of its tokens as they come (what its next token waits; a
         generation read whole, as `Session.complete` reads it, does not bind it); None: no bound.
-        A generation's first piece reaches its reader as soon as it is sampled, its end as soon
+        A generation's first text reaches its reader as soon as it is sampled, its end as soon
         as it is written, and the pieces between together, at most every `stream_interval`
         seconds (each wake of a reader costs the step in flight; 0: every step's pieces at once).
         Limits, each far past what a real conversation meets: `max_sessions` sessions kept

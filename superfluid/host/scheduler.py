@@ -402,6 +402,8 @@ class Scheduler:
             self.in_flight = None
             self.planner.step_dropped()
             return
+        if self.handoff.holding() and any(len(request.tokens) > 1 for _, request in requests):
+            self.handoff.before_long_step()  # a step with a prompt may last long: what is held goes first
         self.masks.start((live, live.job.matching) for live, request in requests
                          if live.job.matching is not None and request.logits != "none")
         try:

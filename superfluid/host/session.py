@@ -107,9 +107,10 @@ class Generation:
         self._waiting = False  # the async reader may be waiting: the next put wakes it
         self._ended = False  # the scheduler has put the end (the async reader's watch stops)
         self._dead = False  # the watch found the scheduler stopped: a wait raises instead
-        # the scheduler's side: pieces not handed to the reader yet (handoff.py), and whether any was
+        # the scheduler's side: pieces not handed to the reader yet, and when the next are due
+        # (handoff.py; 0: at once, until a piece with text was handed)
         self._held: list[Piece] = []
-        self._handed_any = False
+        self._due = 0.0
 
     # -- the scheduler's side
     def _put(self, piece: Piece, wakes: Wakes | None = None) -> None:
@@ -122,15 +123,18 @@ class Generation:
         """Keep `piece` for the next hand-over (handoff.Handoff decides when)."""
         self._held.append(piece)
 
-    def _hand(self, wakes: Wakes | None) -> None:
-        """Queue the held pieces for the reader, in order, and wake it (see `_put`)."""
+    def _hand(self, wakes: Wakes | None) -> bool:
+        """Queue the held pieces for the reader, in order, and wake it (see `_put`); True if any
+        of them had text."""
         if not self._held:
-            return
+            return False
+        shown = False
         for piece in self._held:
             self._queue.put(piece)
+            shown = shown or bool(piece.text)
         self._held.clear()
-        self._handed_any = True
         self._woken(wakes)
+        return shown
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self._hand(None)  # the end comes after every piece, at once

@@ -85,13 +85,16 @@ async def _timed(app: App, generation: Generation, started: float) -> AsyncItera
     async for piece in generation:
         batch = [piece, *generation.pieces_ready()]
         now = time.perf_counter()
-        for piece in batch:
-            if piece.token >= 0:  # a new token (-1: held-back text at the end)
-                if last is None:
-                    app.metrics.first_token(now - started)
-                else:
-                    app.metrics.output_token(now - last)
-                last = now
+        tokens = sum(1 for piece in batch if piece.token >= 0)  # new tokens (-1: held-back text at the end)
+        if tokens and last is None:
+            app.metrics.first_token(now - started)
+            tokens, last = tokens - 1, now
+        if tokens:
+            # tokens handed over together (superfluid/host/handoff.py) share the time since the
+            # last: each is counted with its part of it, not the first with all and the others 0
+            for _ in range(tokens):
+                app.metrics.output_token((now - last) / tokens)
+            last = now
         yield batch
 
 
