@@ -7,7 +7,8 @@ it to a socket, whose client wakes in turn. On 2 cores every wake takes a core f
 in flight, and its code runs with the caches cold after the forward. Measured over HTTP on
 SmolLM2 (one stream, ~7 ms a token, servers alternating): the event loop's CPU per token fell
 from 0.20 to 0.10 ms with pieces handed every 20 ms (every second or third token), and the whole
-token from 7.57 to 7.18 ms, 0.95 of llama-server's rate to 1.00. What a reader loses is nothing
+token from 7.57 to 7.18 ms, 0.95 of llama-server's rate to 1.00 (0.98 in later paired runs).
+What a reader loses is nothing
 it can see: the first text comes as soon as it is sampled (the time to first token unchanged),
 the end as soon as it is written, and a display refreshed 50 times a second shows text as
 smoothly as one refreshed every token. A generation whose tokens come slower than the interval
