@@ -8,11 +8,10 @@ in flight, and its code runs with the caches cold after the forward. Measured ov
 SmolLM2 (one stream, ~7 ms a token, servers alternating): the event loop's CPU per token fell
 from 0.20 to 0.10 ms with pieces handed every 20 ms (every second or third token), and the whole
 token from 7.57 to 7.18 ms, 0.95 of llama-server's rate to 1.00 (0.98 in later paired runs).
-What a reader loses is nothing
-it can see: the first text comes as soon as it is sampled (the time to first token unchanged),
-the end as soon as it is written, and a display refreshed 50 times a second shows text as
-smoothly as one refreshed every token. A generation whose tokens come slower than the interval
-has each handed at once.
+What a reader loses is nothing it can see: the first text comes as soon as it is sampled (the
+time to first token unchanged), the end as soon as it is written, and a display refreshed 50
+times a second shows text as smoothly as one refreshed every token. A generation whose tokens
+come slower than the interval has each handed at once.
 
 When one generation's pieces are due, every generation's held pieces go with them: readers on
 one event loop then share one wake, and every generation handed is due again an interval later.
