@@ -38,22 +38,16 @@ class Handoff:
 
     def step(self, outbox: list[tuple[Generation, Piece]]) -> None:
         """A step's pieces, in order: held, and handed over with all that is held if any
-        generation's are due (a generation's first text is due at once); each reader's loop
-        woken once."""
+        generation's are due (a generation's first text is due at once)."""
         for generation, piece in outbox:
             generation._hold(piece)
             self._holding[generation] = None
-        wakes: Wakes = {}
-        self._hand_due(wakes)
-        wake_readers(wakes)
+        self._hand(due_only=True)
 
     def before_long_step(self) -> None:
         """Before a step that feeds a prompt (it may last up to the first-token target): hand over
         everything held, rather than after it."""
-        if self._holding:
-            wakes: Wakes = {}
-            self._hand_all(self._clock(), wakes)
-            wake_readers(wakes)
+        self._hand(due_only=False)
 
     def round_ended(self) -> None:
         """After each round of the scheduler's loop: hand over what is due, also when no step ran
@@ -62,23 +56,23 @@ class Handoff:
         if self._holding:
             for generation in [g for g in self._holding if not g._held]:
                 del self._holding[generation]
-            wakes: Wakes = {}
-            self._hand_due(wakes)
-            wake_readers(wakes)
+            self._hand(due_only=True)
 
     def holding(self) -> int:
         """Generations with pieces held now."""
         return len(self._holding)
 
-    def _hand_due(self, wakes: Wakes) -> None:
+    def _hand(self, due_only: bool) -> None:
+        """Every generation's held pieces to its reader (with `due_only`, only if one is due),
+        each reader's loop woken once."""
         if not self._holding:
             return
         now = self._clock()
-        if any(now >= generation._due for generation in self._holding):
-            self._hand_all(now, wakes)
-
-    def _hand_all(self, now: float, wakes: Wakes) -> None:
+        if due_only and not any(now >= generation._due for generation in self._holding):
+            return
+        wakes: Wakes = {}
         for generation in self._holding:
             if generation._hand(wakes):  # (a piece with no text yet, say half a character: not due later)
                 generation._due = now + self.interval
         self._holding.clear()
+        wake_readers(wakes)

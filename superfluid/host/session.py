@@ -113,18 +113,18 @@ class Generation:
         self._due = 0.0
 
     # -- the scheduler's side
-    def _put(self, piece: Piece, wakes: Wakes | None = None) -> None:
-        """Hand `piece` to the reader now, after any pieces held; with `wakes`, an async reader's
-        wake-up is added there (the caller wakes a step's readers together) instead of made now."""
+    def _put(self, piece: Piece) -> None:
+        """Hand `piece` to the reader now, after any pieces held."""
         self._held.append(piece)
-        self._hand(wakes)
+        self._hand(None)
 
     def _hold(self, piece: Piece) -> None:
         """Keep `piece` for the next hand-over (handoff.Handoff decides when)."""
         self._held.append(piece)
 
     def _hand(self, wakes: Wakes | None) -> bool:
-        """Queue the held pieces for the reader, in order, and wake it (see `_put`); True if any
+        """Queue the held pieces for the reader, in order, and wake it: now, or with `wakes`, by
+        adding its loop's wake-up there (the caller wakes a step's readers together); True if any
         of them had text."""
         if not self._held:
             return False

@@ -7,6 +7,7 @@ import pytest
 
 from superfluid.host import session as session_module
 from superfluid.host.errors import HostClosed
+from superfluid.host.handoff import Handoff
 from superfluid.host.session import Generation, Piece
 
 
@@ -45,8 +46,8 @@ def test_an_async_reader_is_woken_only_while_it_waits_and_catches_up_in_batches(
 
 
 def test_a_steps_pieces_wake_each_readers_loop_once():
-    # Four streams read in one event loop: the scheduler thread puts a step's four pieces, then
-    # wakes the loop once for all of them (each wake takes a core from the forward in flight).
+    # Four streams read in one event loop: the scheduler thread hands over a step's four pieces
+    # (each a generation's first: due at once), waking the loop once for all of them (each wake takes a core from the forward in flight).
     generations = [Generation(f"s{i}") for i in range(4)]
 
     async def read() -> tuple[list[Piece], int]:
@@ -60,10 +61,7 @@ def test_a_steps_pieces_wake_each_readers_loop_once():
         def scheduler_side() -> None:  # a step's pieces, once every reader waits on an empty queue
             while not all(g._waiting for g in generations):
                 threading.Event().wait(0.001)
-            wakes: session_module.Wakes = {}
-            for i, g in enumerate(generations):
-                g._put(Piece(str(i), i), wakes)
-            session_module.wake_readers(wakes)
+            Handoff(0.02).step([(g, Piece(str(i), i)) for i, g in enumerate(generations)])
 
         putter = threading.Thread(target=scheduler_side)
         putter.start()

@@ -131,7 +131,7 @@ def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_t
     for number, session in enumerate(sessions):
         session.append_text(f"{PROMPT} {number}")
     records_per_write, early = [], []
-    write, put = log._write, Generation._put
+    write, hand = log._write, Generation._hand
 
     def counting_write(blob):  # the Tokens records in each write
         frames = list(log_format.scan(log_format.FILE_HEADER + blob, log_format.VERSION))
@@ -139,13 +139,13 @@ def test_a_step_s_tokens_go_to_the_log_in_one_write_before_any_reader_hears_of_t
         records_per_write.append(sum(isinstance(record, log_module.Tokens) for record in records))
         write(blob)
 
-    def checked_put(generation, piece, wakes=None):  # a reader hears of a token only once its record is written
+    def checked_hand(generation, wakes):  # a reader hears of a token only once its record is written
         if log._batch is not None:
-            early.append(piece)
-        put(generation, piece, wakes)
+            early.extend(generation._held)
+        return hand(generation, wakes)
 
     log._write = counting_write
-    monkeypatch.setattr(Generation, "_put", checked_put)
+    monkeypatch.setattr(Generation, "_hand", checked_hand)
     wanted = GenerateRequest(max_tokens=6, ignore_eos=True)
     generations = host.call(lambda: [host.commands.generate(s.id, wanted) for s in sessions])
     for generation in generations:
