@@ -1,15 +1,17 @@
 """More work than the engine holds: `superfluid serve` against llama-cpp-python's server (both on
 4,096 cells) and llama.cpp's llama-server (its defaults: 4 slots sharing 8,192 cells; and 8
-slots), each driven with the openai client in its own child process, one after the other.
+slots sharing 16,384), each driven with the openai client in its own child process, one after the other.
 
 1. idle sessions: decode tokens/s of a short request on an empty server, and again once
    `sessions` others have each run a long turn and gone idle (ours: session routes, so the
    sessions live on; theirs: completions). Ours parks idle KV out of the engine: goal >= 0.9.
 2. agents and a chat: a one-line chat's time to first token on the idle server, and while
-   `agents` requests with long prompts are being served, sent as OpenAI clients send it (no
-   priority field; llama-cpp-python's serves one request at a time, llama-server one per slot).
-   Goal: at most 2x idle, read as idle / loaded >= 0.5; and ahead of the others. How many agents
-   finished is noted.
+   `agents` agents keep prefilling long prompts (each sends its next as its last ends, until the
+   last chat has its first token), sent as OpenAI clients send it (no priority field;
+   llama-cpp-python's serves one request at a time, llama-server one per slot, so their chats
+   wait for an agent to end; chats stop being sent after `chat_seconds`). Goal: at most 2x idle,
+   read as idle / loaded >= 0.5; and ahead of the others. The agents' requests finished and
+   failed, and the chats sent, are noted.
 3. clients at once: `clients` streamed chats with long prompts sent together; how many were
    served, refused before their stream (503) or failed otherwise, and the time until the last.
 
@@ -18,6 +20,7 @@ slots), each driven with the openai client in its own child process, one after t
 
 from __future__ import annotations
 
+import itertools
 import sys
 import tempfile
 import threading
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import servers  # noqa: E402
 from benchmarks.harness import Run  # noqa: E402
 from benchmarks.texts import text_of  # noqa: E402
+from benchmarks.traffic import percentile  # noqa: E402
 
 GROUP = "under load: ours against llama-cpp-python's server"
 PEER_GROUP = servers.PEER_GROUP
@@ -53,14 +57,15 @@ class LoadSizes:
     agents: int
     agent_tokens: int
     chats: int  # chat samples, idle and loaded each
+    chat_seconds: float  # no chat is sent behind the agents after this long (one waiting for them each takes long)
     clients: int
     client_tokens: int
 
 
 FULL = LoadSizes(sessions=6, session_tokens=2000, decode_tokens=128, idle_samples=6, agents=8, agent_tokens=1800,
-                 chats=20, clients=32, client_tokens=850)
+                 chats=20, chat_seconds=300.0, clients=32, client_tokens=850)
 QUICK = LoadSizes(sessions=2, session_tokens=200, decode_tokens=16, idle_samples=3, agents=2, agent_tokens=200,
-                  chats=1, clients=4, client_tokens=100)
+                  chats=1, chat_seconds=60.0, clients=4, client_tokens=100)
 
 
 def decode_rate(served: servers.Served, tokens: int, salt: int) -> float:
@@ -91,30 +96,76 @@ def first_token(served: servers.Served, system: str, question: str) -> float:
 
 
 def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
-    """A chat's first token idle, then behind `agents` long requests."""
+    """A chat's first token idle, then behind `agents` agents that keep prefilling long prompts
+    until the last chat has its first token: each agent sends its next request (a new text) as
+    soon as the last one ends, and each chat is sent only while every agent has a request in
+    flight. (Each agent used to send one request: on a server that serves a chat only once a slot
+    frees, the first chat waited for all of them and the others ran on an idle server, so
+    llama-server's median read as its idle time. A chat sent after the agents is not behind them.)
+    How many agent requests finished and failed is noted."""
     idle = [first_token(served, f"Be brief, {i}.", CHATS[i % len(CHATS)]) for i in range(sizes.chats)]
-
-    finished = []
+    stop = threading.Event()
+    lock = threading.Condition()
+    in_flight, finished, failed = [0], [0], []
 
     def agent(i: int) -> None:
-        try:
-            reply = served.client.chat.completions.create(model=served.model, max_tokens=16, messages=[
-                {"role": "system", "content": text_of(sizes.agent_tokens, salt=i)},
-                {"role": "user", "content": "Sum up."}])
-        except openai.APIError:
-            return  # not finished: counted below
-        finished.append(bool(reply.choices and reply.choices[0].finish_reason))
+        for turn in itertools.count():
+            if stop.is_set():
+                return
+            with lock:
+                in_flight[0] += 1
+                lock.notify_all()
+            try:
+                # text_of has one text per length for every 61 salts: a task number ahead of it keeps
+                # every request's prompt unlike any other (nothing of it in a cache: it is prefilled)
+                # and unlike the clients' prompts of the next shape
+                task = f"Task {turn}.{i}:"
+                reply = served.client.chat.completions.create(model=served.model, max_tokens=16, messages=[
+                    {"role": "system", "content": f"{task} {text_of(sizes.agent_tokens, salt=i + turn)}"},
+                    {"role": "user", "content": "Sum up."}])
+            except openai.APIError as exc:
+                failed.append(f"{type(exc).__name__}: {exc}"[:200])
+                return  # an agent its server refuses stops (it would only be refused again)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+            with lock:
+                finished[0] += bool(reply.choices and reply.choices[0].finish_reason)
+
+    def wait_for_all_agents() -> None:
+        """Return once every agent has a request in flight; RuntimeError if one was refused (it
+        stops) or they are not all in flight within a minute."""
+        with lock:
+            lock.wait_for(lambda: in_flight[0] == sizes.agents or failed, timeout=60.0)
+            if failed:
+                raise RuntimeError(f"an agent was refused: {failed[0]}")
+            if in_flight[0] != sizes.agents:
+                raise RuntimeError(f"{in_flight[0]} of {sizes.agents} agents had a request in flight after 60 s")
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(sizes.agents)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)
-    loaded = [first_token(served, f"Answer shortly, {i}.", CHATS[-1 - i % len(CHATS)]) for i in range(sizes.chats)]
-    for thread in threads:
-        thread.join()
+    loaded = []
+    try:
+        time.sleep(2.0)  # the agents' prompts are being read
+        deadline = time.monotonic() + sizes.chat_seconds
+        for i in range(sizes.chats):
+            if time.monotonic() > deadline:
+                break  # (a server whose chats each wait for agents; how many were sent is noted)
+            wait_for_all_agents()
+            loaded.append(first_token(served, f"Answer shortly, {i}.", CHATS[-1 - i % len(CHATS)]))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
     run.record(f"{served.label}: chat first token, idle", idle)
     run.record(f"{served.label}: chat first token behind {sizes.agents} agents", loaded)
-    run.note(f"{served.label}: agents finished of {sizes.agents}", sum(finished))
+    for side, samples in (("idle", idle), (f"behind {sizes.agents} agents", loaded)):
+        run.note(f"{served.label}: chat first token {side}, p50 / p95 (ms)",
+                 f"{1e3 * percentile(samples, 50):.1f} / {1e3 * percentile(samples, 95):.1f} of {len(samples)}")
+    run.note(f"{served.label}: agent requests finished / failed while the chats ran", f"{finished[0]} / {len(failed)}")
+    run.note(f"{served.label}: chats sent behind the agents (of {sizes.chats}, for at most {sizes.chat_seconds:g} s)",
+             len(loaded))
 
 
 def clients_at_once(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
@@ -123,7 +174,9 @@ def clients_at_once(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
     def one(i: int) -> str:
         try:
             stream = served.client.chat.completions.create(model=served.model, max_tokens=8, stream=True, messages=[
-                {"role": "system", "content": text_of(sizes.client_tokens, salt=200 + i)},
+                # (salts 18-49: text_of repeats every 61 salts, and the idle sessions' texts are salts
+                # 12-17, which a client's would otherwise share its whole prompt with)
+                {"role": "system", "content": text_of(sizes.client_tokens, salt=18 + i)},
                 {"role": "user", "content": "Go on."}])
             chunks = list(stream)
         except openai.APIStatusError as exc:
@@ -172,7 +225,9 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
         for start in (lambda: servers.start_ours(model, N_CTX, scratch),
                       lambda: servers.start_theirs(model, N_CTX, cache=False),
                       lambda: servers.start_peer(model, servers.PEER_CONTEXT),
-                      lambda: servers.start_peer(model, servers.PEER_CONTEXT, slots=8)):
+                      # 8 slots on twice the cells: on 8,192 the 8 agents' 14,400 prompt tokens overflow the
+                      # cache and every agent is refused, which leaves nothing for the chat to be behind
+                      lambda: servers.start_peer(model, 2 * servers.PEER_CONTEXT, slots=8)):
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
