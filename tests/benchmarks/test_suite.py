@@ -149,7 +149,8 @@ def test_the_quick_run_measures_everything_and_writes_json_table_and_plot(tmp_pa
         assert notes[f"{peer}: {burst}"][0] >= one_prompt, peer
         assert notes[f"{peer}: tokens generated per burst (asked: 4 x 16)"] == [64], peer
     for server in (suite.servers.OURS, *suite.servers.PEERS):  # the chat was sent behind agents none refused
-        finished, failed = map(int, notes[f"{server}: agent requests finished / failed while the chats ran"].split(" / "))
+        agents = notes[f"{server}: agent requests finished / failed while the chats ran"]
+        finished, failed = map(int, agents.split(" / "))
         assert finished >= 2 and failed == 0, (server, finished, failed)
         assert notes[f"{server}: chats sent behind the agents (of 1, for at most 60 s)"] == 1, server
     for server in (suite.servers.OURS, *suite.servers.PEERS):  # both report what came from cache

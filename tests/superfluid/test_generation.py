@@ -47,7 +47,8 @@ def test_an_async_reader_is_woken_only_while_it_waits_and_catches_up_in_batches(
 
 def test_a_steps_pieces_wake_each_readers_loop_once():
     # Four streams read in one event loop: the scheduler thread hands over a step's four pieces
-    # (each a generation's first: due at once), waking the loop once for all of them (each wake takes a core from the forward in flight).
+    # (each a generation's first: due at once), waking the loop once for all of them (each wake
+    # takes a core from the forward in flight).
     generations = [Generation(f"s{i}") for i in range(4)]
 
     async def read() -> tuple[list[Piece], int]:
