@@ -1,23 +1,28 @@
-"""Cutting the step in flight short for a request that would go before it.
+"""Stopping the step in flight for a request that would go before it.
 
 A step lasts up to the first-token target (1 s by default) while prompts prefill, and a
 request arriving meanwhile used to wait for its end before its own prompt went first: behind
-eight long prompts prefilling, a one-line chat waited about half a step more than on an idle
-engine. Where the engine can stop a forward part-way (llama.cpp on plain KV: it keeps the
-ubatches it finished), the thread that queues a request asks it to, when
+eight long prompts prefilling, a one-line chat arriving at a random moment waited 0.27 s by
+the median and 0.86 s at the 95th percentile, against 0.05 s on an idle engine. A request
+goes first when its class and prompt come before every prompt the step feeds (a shorter prompt
+of the same class, or a more urgent class) and its prompt is short (no longer than what the
+step carries; a more urgent class need not be short). For such a request the step stops in
+one of two ways:
 
-- the request would go first: its class and prompt come before every prompt the step feeds
-  (a shorter prompt of the same class, or a more urgent class), and its prompt is short (no
-  longer than the step in flight carries; a more urgent class need not be short), and
-- the step has barely begun: at most INTERRUPT_WITHIN of its predicted time has passed, and
-  at least MIN_SAVED_SECONDS of it remain. The work a stopped forward throws away is what it
-  did so far; an arrival late in a step waits for its end instead. Requests that come one
-  after another (a client that sends the next once the last is answered) find a step that has
-  just begun, and cost almost nothing; arrivals spread over time stop about one step in eight,
-  each after an eighth of it on average.
+- **Between two pieces.** The planner cuts a step's long prompt chunks into pieces of about a
+  quarter of the first-token target (`Planner.pieces`), which run one after another; before
+  each piece the scheduler looks for an arrival that goes first and, if there is one, ends the
+  step there. What ran is kept, nothing is thrown away, and the request waits for the piece in
+  flight at most. Any engine, any memory.
+- **Inside a piece, when it has barely begun.** Where the engine can stop a forward part-way
+  (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that queues the request
+  asks it to when at most INTERRUPT_WITHIN of the piece's predicted time has passed and at
+  least MIN_SAVED_SECONDS of it remain: the work thrown away is what the piece did so far. An
+  arrival later in a piece waits for its end instead. (Requests that come one after another,
+  a client sending the next once the last is answered, find a step that has just begun.)
 
-The scheduler counts the steps stopped and the seconds they had run (`interrupted_steps`,
-`interrupted_seconds` in the host's statistics).
+The scheduler counts both: the steps stopped between pieces (`yielded_steps`), and those stopped
+inside one with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
 """
 
 from __future__ import annotations
@@ -48,13 +53,19 @@ class StepInFlight(NamedTuple):
     tokens: int  # the tokens it carries
 
 
+def goes_first(arrival: Arrival, first: tuple[Priority, int], tokens: int) -> bool:
+    """True when `arrival` would go before work that feeds prompts, the most urgent `first`
+    (class, tokens left to feed), in `tokens` tokens: its class and prompt come first, and its
+    prompt is short (no longer than that work; a more urgent class need not be short)."""
+    if (arrival.priority, arrival.prompt_tokens) >= first:
+        return False  # it would not go before what the step feeds
+    # not a short prompt: a step of its own would take as long as this one
+    return arrival.priority != first[0] or arrival.prompt_tokens <= tokens
+
+
 def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float) -> bool:
     """True when `arrival` should stop `flight` (None: no prompt is being fed) at `now`."""
-    if flight is None:
+    if flight is None or not goes_first(arrival, flight.first, flight.tokens):
         return False
-    if (arrival.priority, arrival.prompt_tokens) >= flight.first:
-        return False  # it would not go before what the step feeds
-    if arrival.priority == flight.first[0] and arrival.prompt_tokens > flight.tokens:
-        return False  # not a short prompt: a step of its own would take as long as this one
     elapsed = now - flight.began
     return elapsed <= INTERRUPT_WITHIN * flight.predicted and flight.predicted - elapsed >= MIN_SAVED_SECONDS

@@ -38,7 +38,7 @@ from superfluid.host.churn import Churn
 from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.handoff import Handoff
-from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
+from superfluid.host.interruption import Arrival, StepInFlight, goes_first, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import LogWriteFailed, SessionLog
@@ -207,6 +207,7 @@ class Scheduler:
                          cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
                          cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
                          interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
+                         yielded_steps=c.yielded_steps,
                          expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
                          log_sync_failures=c.log_sync_failures,
                          tenants=tenant_stats(self.active, kv.lanes, sessions.owned, c.rejected_by_tenant),
@@ -391,8 +392,29 @@ class Scheduler:
             self.engine.interrupt()
 
     def _step(self, requests: list) -> None:
+        """Run the planned step as the planner's pieces (planner.py), one after another; before
+        each piece after the first, stop for a request that arrived meanwhile and goes first
+        (interruption.py): what ran is kept, and the rest is planned again after it."""
+        pieces = self.planner.pieces(requests) if requests else []
+        for index, piece in enumerate(pieces):
+            if index:
+                # (a lane may have ended in the pieces before: a failed log write ends its generation)
+                piece = [(live, request) for live, request in piece if live.job is not None and live.seq == request.seq]
+                rest = [pair for later in pieces[index:] for pair in later]
+                prompts = [(live.job.priority, live.pending) for live, _ in rest if live.job is not None]
+                arrived, self._arrived = self._arrived, None
+                if arrived is not None and prompts and goes_first(arrived, min(prompts),
+                                                                  sum(len(request.tokens) for _, request in rest)):
+                    self.counters.yielded_steps += 1
+                    self.planner.step_dropped()
+                    return
+            if not self._step_piece(piece):
+                return
+
+    def _step_piece(self, requests: list) -> bool:
+        """One piece of a step; False where it did not run to its end (stopped, or no room)."""
         if not requests:
-            return
+            return True
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
         arrived, self._arrived = self._arrived, None
@@ -401,7 +423,7 @@ class Scheduler:
             # again with it (if it was among the commands already, one plan is all this costs)
             self.in_flight = None
             self.planner.step_dropped()
-            return
+            return False
         if self.handoff.holding() and any(len(request.tokens) > 1 for _, request in requests):
             self.handoff.before_long_step()  # a step with a prompt may last long: what is held goes first
         self.masks.start((live, live.job.matching) for live, request in requests
@@ -411,7 +433,7 @@ class Scheduler:
         except NoRoom:
             self.masks.discard()
             self._no_room([live for live, _ in requests])
-            return
+            return False
         except Interrupted:  # for a request that goes first; the lanes keep what was finished
             self.masks.discard()
             self.counters.interrupted_steps += 1
@@ -419,7 +441,7 @@ class Scheduler:
             self.planner.step_dropped()
             for live, _ in requests:
                 self.kv.resync(live)
-            return
+            return False
         finally:
             self.in_flight = None
         self._measure(requests, perf_counter() - began)
@@ -436,6 +458,7 @@ class Scheduler:
         finally:
             self._outbox = None
         self.handoff.step(outbox)  # each reader's loop woken once for the whole step, if at all
+        return True
 
     def _write_failed(self, failed: LogWriteFailed, requests: list) -> list:
         """The step's records could not be written (the log put the sessions back as the file has

@@ -39,6 +39,7 @@ class Counters:
     rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # and how long they had run (the work thrown away, at most)
+    yielded_steps: int = 0  # steps stopped between two pieces for a request that went first (nothing lost)
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
     log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
     log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)
@@ -101,6 +102,7 @@ class HostStats(msgspec.Struct, frozen=True):
     pool_budget_bytes: int = 0  # the pool's export budget
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # how long those steps had run
+    yielded_steps: int = 0  # steps stopped between two pieces for a request that went first
     expired_sessions: int = 0  # sessions deleted after session_expiry_seconds idle
     log_write_failures: int = 0  # writes of the session log the disk refused (their generations ended)
     log_sync_failures: int = 0  # fsyncs of the session log the disk refused (retried)

@@ -49,6 +49,8 @@ HOST_SERIES = (
     ("imports", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).", "imports"),
     ("interrupted_steps", "counter", "Steps stopped part-way for a request that went first.", "interrupted_steps"),
     ("interrupted_seconds", "counter", "Seconds the interrupted steps had run.", "interrupted_seconds"),
+    ("yielded_steps", "counter", "Steps stopped between two pieces for a request that went first.",
+     "yielded_steps"),
     ("rejected", "counter", "Generations answered 503: the wait queue was full or waited too long.", "rejected"),
     ("log_write_failures", "counter", "Session log writes the disk refused (the generations in them ended).",
      "log_write_failures"),

@@ -278,10 +278,11 @@ def test_with_no_lane_decoding_a_step_lasts_the_first_token_target(cell_host, mo
     session = host.session()
     session.append_tokens(prompt(0, 700))
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    assert [n for step in engine.steps for _, n in step] == [512, 50, 50, 50, 38]
+    # (the first step, planned before any was measured, carries the whole budget, in pieces of 128)
+    assert [n for step in engine.steps for _, n in step] == [128] * 4 + [50, 50, 50, 38]
     session.append_tokens(prompt(1, 40))  # the next turn of a conversation: one step
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    assert [n for step in engine.steps[5:] for _, n in step] == [40 + 1]  # with the last reply token
+    assert [n for step in engine.steps[8:] for _, n in step] == [40 + 1]  # with the last reply token
 
 
 def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_cost_per_step(cell_host, monkeypatch):
@@ -305,8 +306,9 @@ def test_the_step_that_ends_a_waiting_prompt_carries_no_piece_of_a_longer_one(ce
     # 5 ms a token, a 1 s first-token target: a long prompt alone goes 200 tokens a step. A short
     # one arrives during such a step and waits for it: its own step then carries its 10 tokens
     # alone (50 ms), not 190 of the long prompt's beside them.
+    # the long prompt's second whole-second step (the first step, unmeasured, ran as 4 pieces of 128)
     steps = itertools.count()
-    gate = Gate(lambda requests: next(steps) == 2)  # the long prompt's third step, its costs measured
+    gate = Gate(lambda requests: sum(len(request.tokens) for request in requests) == 200 and next(steps) == 1)
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=1.0, gate=gate)
     on_simulated_time(monkeypatch, engine)
     short = waiting_session(host, prompt(9, 10))
@@ -319,7 +321,7 @@ def test_the_step_that_ends_a_waiting_prompt_carries_no_piece_of_a_longer_one(ce
     long.collect()
     carrying = next(step for step in engine.steps if any(n == 10 for _, n in step))
     assert [n for _, n in carrying] == [10]
-    assert any(sum(n for _, n in step) == 200 for step in engine.steps[1:4])  # before it: whole-second steps
+    assert any(sum(n for _, n in step) == 200 for step in engine.steps[4:6])  # before it: whole-second steps
 
 
 def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
@@ -706,6 +708,50 @@ def test_a_short_arrival_stops_the_prefill_step_in_flight_and_goes_first(cell_ho
     alone, _ = cell_host(cells=1 << 15, prefill_budget=256)
     _, (again,) = start(alone, [prompt(0, 1500)], max_tokens=4)
     assert again.collect() == output  # the long prompt's reply as without the interruption
+
+
+def nth_piece_of(size: int, n: int):
+    """A gate's `pause_when` that picks the `n`-th step of exactly `size` tokens."""
+    seen = itertools.count(1)
+    return lambda requests: sum(len(request.tokens) for request in requests) == size and next(seen) == n
+
+
+def test_an_arrival_late_in_a_piece_stops_the_step_at_the_next_piece_and_nothing_is_lost(cell_host):
+    # the first step (the whole budget, 512 tokens, nothing measured) runs as 4 pieces of 128; a
+    # short prompt arrives during the second, which a cell engine cannot stop part-way
+    gate = Gate(nth_piece_of(128, 2))
+    host, engine = cell_host(cells=1 << 15, prefill_budget=512, gate=gate)
+    short = waiting_session(host, prompt(9, 20))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
+    gate.wait_reached()
+    chat = host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=4),
+                       arrival=Arrival(Priority.DEFAULT, 20))
+    gate.open()
+    chat.result().collect()
+    output = long.collect()
+    assert [n for step in engine.steps[:3] for _, n in step] == [128, 128, 20]  # then the step's other pieces
+    stats = host.stats()
+    assert stats.yielded_steps == 1 and stats.interrupted_steps == 0
+    assert stats.prefill_tokens == 1500 + 20  # nothing fed twice, nothing thrown away
+    alone, _ = cell_host(cells=1 << 15, prefill_budget=512)
+    _, (again,) = start(alone, [prompt(0, 1500)], max_tokens=4)
+    assert again.collect() == output  # the long prompt's reply as without the stop
+
+
+@pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],
+                         ids=["a longer prompt", "a less urgent class"])
+def test_an_arrival_that_would_not_go_first_lets_the_pieces_run(cell_host, arrival):
+    gate = Gate(nth_piece_of(128, 2))
+    host, engine = cell_host(cells=1 << 15, prefill_budget=512, gate=gate)
+    other = waiting_session(host, prompt(9, arrival.prompt_tokens))
+    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
+    gate.wait_reached()
+    queued = host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=4), arrival=arrival)
+    gate.open()
+    queued.result().collect()
+    long.collect()
+    assert [n for step in engine.steps[:4] for _, n in step] == [128] * 4  # the step ran whole
+    assert host.stats().yielded_steps == 0
 
 
 @pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],

@@ -3,7 +3,9 @@ tokens fit in a target, never more than the measurements support."""
 
 import pytest
 
-from superfluid.host.planner import MIN_PREFILL_CHUNK, StepCosts, prefill_budget, step_seconds
+from engines.base import StepRequest
+from superfluid.host.planner import MIN_PIECE, MIN_PREFILL_CHUNK, Planner, StepCosts, prefill_budget, step_seconds
+from superfluid.host.scheduler import Policy
 
 
 def affine(tokens: int) -> float:
@@ -64,3 +66,38 @@ def test_a_step_is_bounded_by_the_first_token_target_and_by_the_decode_step_targ
     assert step_seconds(1.0, 0.25, streaming=True) == 0.25
     assert step_seconds(None, 0.25, streaming=False) is None
     assert step_seconds(0.2, None, streaming=True) == 0.2
+
+
+def planner_of(first_token_target: float | None) -> Planner:
+    """A planner whose pieces() reads only its targets and costs (lanes are opaque to it)."""
+    return Planner(Policy(first_token_target=first_token_target), None, True, urgency=lambda live, tokens: ())
+
+
+def shapes(steps: list[list]) -> list[list[tuple]]:
+    return [[(lane, len(request.tokens), request.logits) for lane, request in step] for step in steps]
+
+
+def test_a_step_runs_its_long_chunks_in_pieces_the_first_beside_the_decode_tokens():
+    planner = planner_of(1.0)  # nothing measured: pieces of MIN_PIECE
+    decode, short = ("d", StepRequest(0, [5])), ("s", StepRequest(1, list(range(40))))
+    first, second = ("a", StepRequest(2, list(range(384)), "none")), ("b", StepRequest(3, list(range(1000, 1300))))
+    steps = planner.pieces([decode, short, first, second])
+    assert MIN_PIECE == 128
+    assert shapes(steps) == [[("d", 1, "last"), ("s", 40, "last"), ("a", 128, "none")], [("a", 128, "none")],
+                             [("a", 128, "none")], [("b", 150, "none")], [("b", 150, "last")]]
+    for lane, request in (first, second):  # each chunk's tokens, in order, once
+        assert [t for step in steps for name, piece in step if name == lane for t in piece.tokens] == request.tokens
+
+
+def test_pieces_grow_to_a_quarter_of_the_first_token_target_where_the_costs_fit_more():
+    planner = planner_of(1.0)
+    planner.costs.observe(1000, 0.5)  # 2,000 tokens a second: 500 in a quarter of the target
+    chunk = ("a", StepRequest(0, list(range(1200))))
+    assert shapes(planner.pieces([chunk])) == [[("a", 600, "none")], [("a", 600, "last")]]
+    short_of_two = ("b", StepRequest(1, list(range(999))))  # not two pieces' worth: not cut
+    assert shapes(planner.pieces([short_of_two])) == [[("b", 999, "last")]]
+
+
+def test_without_a_first_token_target_a_step_is_one_piece():
+    step = [("a", StepRequest(0, list(range(2000))))]
+    assert planner_of(None).pieces(step) == [step]
