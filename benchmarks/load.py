@@ -9,7 +9,9 @@ slots sharing 16,384), each driven with the openai client in its own child proce
    `agents` agents keep prefilling long prompts (each sends its next as its last ends, until the
    last chat has its first token), sent as OpenAI clients send it (no priority field;
    llama-cpp-python's serves one request at a time, llama-server one per slot, so their chats
-   wait for an agent to end; chats stop being sent after `chat_seconds`). Goal: at most 2x idle,
+   wait for an agent to end; chats stop being sent after `chat_seconds`). Each chat goes after a
+   random pause of up to `chat_gap` seconds, so it arrives at any moment of the server's step, as
+   a person's message does. Goal: at most 2x idle,
    read as idle / loaded >= 0.5; and ahead of the others. The agents' requests finished and
    failed, and the chats sent, are noted.
 3. clients at once: `clients` streamed chats with long prompts sent together; how many were
@@ -21,6 +23,7 @@ slots sharing 16,384), each driven with the openai client in its own child proce
 from __future__ import annotations
 
 import itertools
+import random
 import sys
 import tempfile
 import threading
@@ -58,14 +61,15 @@ class LoadSizes:
     agent_tokens: int
     chats: int  # chat samples, idle and loaded each
     chat_seconds: float  # no chat is sent behind the agents after this long (one waiting for them each takes long)
+    chat_gap: float  # each chat behind the agents waits a random pause of up to this many seconds first
     clients: int
     client_tokens: int
 
 
 FULL = LoadSizes(sessions=6, session_tokens=2000, decode_tokens=128, idle_samples=6, agents=8, agent_tokens=1800,
-                 chats=20, chat_seconds=300.0, clients=32, client_tokens=850)
+                 chats=20, chat_seconds=300.0, chat_gap=1.5, clients=32, client_tokens=850)
 QUICK = LoadSizes(sessions=2, session_tokens=200, decode_tokens=16, idle_samples=3, agents=2, agent_tokens=200,
-                  chats=1, chat_seconds=60.0, clients=4, client_tokens=100)
+                  chats=1, chat_seconds=60.0, chat_gap=0.2, clients=4, client_tokens=100)
 
 
 def decode_rate(served: servers.Served, tokens: int, salt: int) -> float:
@@ -102,7 +106,11 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
     flight. (Each agent used to send one request: on a server that serves a chat only once a slot
     frees, the first chat waited for all of them and the others ran on an idle server, so
     llama-server's median read as its idle time. A chat sent after the agents is not behind them.)
-    How many agent requests finished and failed is noted."""
+    Before each chat behind the agents, a random pause (up to `chat_gap` s, the same pauses for
+    every server): sent at once after the last chat's reply, a chat arrived just after the server
+    began its next step, where a server that stops a step barely begun for it answers at once,
+    and a person's message arrives at any moment of a step. How many agent requests finished and
+    failed is noted."""
     idle = [first_token(served, f"Be brief, {i}.", CHATS[i % len(CHATS)]) for i in range(sizes.chats)]
     stop = threading.Event()
     lock = threading.Condition()
@@ -149,9 +157,11 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
     try:
         time.sleep(2.0)  # the agents' prompts are being read
         deadline = time.monotonic() + sizes.chat_seconds
+        pauses = random.Random(25)
         for i in range(sizes.chats):
             if time.monotonic() > deadline:
                 break  # (a server whose chats each wait for agents; how many were sent is noted)
+            time.sleep(pauses.uniform(0.0, sizes.chat_gap))
             wait_for_all_agents()
             loaded.append(first_token(served, f"Answer shortly, {i}.", CHATS[-1 - i % len(CHATS)]))
     finally:
