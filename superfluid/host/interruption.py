@@ -9,20 +9,23 @@ of the same class, or a more urgent class) and its prompt is short (no longer th
 step carries; a more urgent class need not be short). For such a request the step stops in
 one of two ways:
 
-- **Between two pieces.** The planner cuts a step's long prompt chunks into pieces of about a
-  quarter of the first-token target (`Planner.pieces`), which run one after another; before
-  each piece the scheduler looks for an arrival that goes first and, if there is one, ends the
-  step there. What ran is kept, nothing is thrown away, and the request waits for the piece in
-  flight at most. Any engine, any memory.
-- **Inside a piece, when it has barely begun.** Where the engine can stop a forward part-way
-  (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that queues the request
-  asks it to when at most INTERRUPT_WITHIN of the piece's predicted time has passed and at
-  least MIN_SAVED_SECONDS of it remain: the work thrown away is what the piece did so far. An
-  arrival later in a piece waits for its end instead. (Requests that come one after another,
-  a client sending the next once the last is answered, find a step that has just begun.)
+- **Between two pieces.** While such requests keep arriving (one in the last ten seconds), the
+  planner cuts a step's long prompt chunks into pieces of about a quarter of the first-token
+  target (`Planner.pieces`), which run one after another; before each piece the scheduler looks
+  for an arrival that goes first and, if there is one, ends the step there. What ran is kept,
+  nothing is thrown away, and the request waits for the piece in flight at most. Any engine,
+  any memory. (The first such request after a quiet spell waits for the step, as before.)
+- **Part-way, when a step not in pieces has barely begun.** Where the engine can stop a
+  forward part-way (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that
+  queues the request asks it to when at most INTERRUPT_WITHIN of the step's predicted time has
+  passed and at least MIN_SAVED_SECONDS of it remain: the work thrown away is what the step did
+  so far. An arrival later in the step waits for its end instead. A piece is never stopped so:
+  it lasts about a quarter of the target, and stopping one would throw away up to a quarter
+  of it to save at most the rest (beside documents with a chat every second, stopping pieces
+  threw away 0.2 s a run and kept the chats' 95th percentile at 0.37 s against 0.39 s).
 
-The scheduler counts both: the steps stopped between pieces (`yielded_steps`), and those stopped
-inside one with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
+The scheduler counts both: the steps ended between pieces (`yielded_steps`), and those stopped
+part-way with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
 """
 
 from __future__ import annotations

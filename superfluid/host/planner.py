@@ -20,6 +20,8 @@ what a request arriving meanwhile waits for before its prompt goes first. So a s
 
 and carries the most tokens that the measured step costs say fit in that time (never more than
 `prefill_budget` prompt tokens, and at least MIN_PREFILL_CHUNK so that prompts always advance).
+A step's long chunks then run in pieces (`Planner.pieces`), between which the scheduler can end
+the step for a request that goes first: such a request waits for one piece, not the step.
 
 The costs are measured, not assumed: the seconds of each step are kept by the tokens it carried,
 in buckets of powers of two, and a step of n tokens is predicted from the measured steps nearest
@@ -53,11 +55,17 @@ MIN_PREFILL_CHUNK = 8
 # step can stop for a request that goes first (`Planner.pieces`). On llama.cpp's CPU flash
 # attention a prompt token costs the same from chunks of 128 up (beside two 1,800-token documents,
 # 2.51 ms in chunks of 128 against 2.47 in 512 early in a prompt, 3.33 against 3.25 late), and
-# 5-11% more in chunks of 64, whose query tiles of 64 rows start to run part-empty.
+# 5-11% more in chunks of 64.
 MIN_PIECE = 128
 # ...and of at most about this share of the first-token target where the measured costs allow
 # more than MIN_PIECE in it: a request that goes first waits for at most one piece.
 PIECE_SHARE = 0.25
+# Steps are cut only while requests that go first keep arriving: one did in the last this many
+# seconds. Each piece is a forward, and a forward reads every weight whatever it carries, so
+# pieces cost prompts about 2% of their time (128 tokens a piece against ~300-400 in one) and
+# save nothing where no request would go first (prompts that all arrive together, conversations
+# whose next turns are no shorter than the prompts being fed).
+RECENT_ARRIVALS = 10.0
 # Weight of the newest step in its bucket's moving average: recent steps count most, since the
 # cost of a step grows with the context its lanes attend to.
 NEWEST = 0.3
@@ -162,6 +170,7 @@ class Planner:
         self._exclusive_before = False  # the last step carried only prompts it ended
         self._held = 0.0  # predicted seconds of the steps prompt chunks were held out of for ending lanes
         self._held_before = 0.0  # its value before the step last planned (restored if it is dropped)
+        self.went_first_at: float | None = None  # when a request that goes first last arrived (any thread sets it)
 
     def plan(self, lanes: list[Live], room: int) -> tuple[list, list]:
         """This step's requests for the running `lanes` within `room` free cells: (decode,
@@ -225,9 +234,14 @@ class Planner:
         self._held = 0.0
         return decode, prefill
 
-    def pieces(self, requests: list) -> list[list]:
+    def arrival_went_first(self, now: float) -> None:
+        """A request that goes before the prompts being fed arrived at `now` (perf_counter)."""
+        self.went_first_at = now
+
+    def pieces(self, requests: list, now: float) -> list[list]:
         """The step's (lane, StepRequest) pairs as the sub-steps the scheduler runs one after
-        another: a prompt chunk of two pieces' worth or more is cut into pieces of at least
+        another. While requests that go first keep arriving (one in the last RECENT_ARRIVALS
+        seconds before `now`), a prompt chunk of two pieces' worth or more is cut into pieces of at least
         MIN_PIECE tokens (about PIECE_SHARE of the first-token target where the costs fit more),
         every piece but its last asking for no logits. The first sub-step carries the decode
         tokens, the chunks not cut and the first piece of the first chunk cut; every later piece
@@ -235,8 +249,10 @@ class Planner:
         Between two sub-steps the step can stop for a request that goes first, which then waits
         for one piece at most instead of the whole step, and nothing already run is lost; cut
         where it could not stop, the step does the same work in the same forwards (a chunk of 64
-        tokens or more runs in a forward of its own). No target: one sub-step, as planned."""
-        if self.policy.first_token_target is None:
+        tokens or more runs in a forward of its own). No target, or no such request lately: one
+        sub-step, as planned."""
+        recent = self.went_first_at is not None and now - self.went_first_at <= RECENT_ARRIVALS
+        if self.policy.first_token_target is None or not recent:
             return [requests]
         size = max(MIN_PIECE, self.costs.tokens_within(PIECE_SHARE * self.policy.first_token_target) or 0)
         first, later = [], []

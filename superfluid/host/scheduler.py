@@ -95,6 +95,7 @@ class Scheduler:
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
         self._arrived: Arrival | None = None  # the latest request hurry() heard of, for the next step
+        self._cut = False  # the step in flight runs in pieces (hurry() then stops none part-way)
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
@@ -384,18 +385,24 @@ class Scheduler:
         return min(context, cells) if context and cells else context or cells
 
     def hurry(self, arrival: Arrival) -> None:
-        """A request was just queued (from any thread): stop the step in flight if the request
-        would go before what it feeds and the step has barely begun (interruption.py). Between
-        steps, the next step looks at it before it starts."""
+        """A request was just queued (from any thread). If it would go before what the step in
+        flight feeds, the next steps run in pieces, and a step not in pieces that has barely
+        begun is stopped (interruption.py); a step in pieces ends after the piece in flight, and
+        between steps the next one looks at the request before it starts."""
         self._arrived = arrival
-        if worth_interrupting(self.in_flight, arrival, perf_counter()):
-            self.engine.interrupt()
+        flight, now = self.in_flight, perf_counter()
+        if flight is not None and goes_first(arrival, flight.first, flight.tokens):
+            self.planner.arrival_went_first(now)  # the next steps are cut into pieces (planner.py)
+            # (a piece is not stopped part-way: it ends soon, and the step ends after it)
+            if not self._cut and worth_interrupting(flight, arrival, now):
+                self.engine.interrupt()
 
     def _step(self, requests: list) -> None:
         """Run the planned step as the planner's pieces (planner.py), one after another; before
         each piece after the first, stop for a request that arrived meanwhile and goes first
         (interruption.py): what ran is kept, and the rest is planned again after it."""
-        pieces = self.planner.pieces(requests) if requests else []
+        pieces = self.planner.pieces(requests, perf_counter()) if requests else []
+        self._cut = len(pieces) > 1
         for index, piece in enumerate(pieces):
             if index:
                 # (a lane may have ended in the pieces before: a failed log write ends its generation)
@@ -421,6 +428,7 @@ class Scheduler:
         if arrived is not None and worth_interrupting(self.in_flight, arrived, began):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
+            self.planner.arrival_went_first(began)
             self.in_flight = None
             self.planner.step_dropped()
             return False

@@ -278,11 +278,10 @@ def test_with_no_lane_decoding_a_step_lasts_the_first_token_target(cell_host, mo
     session = host.session()
     session.append_tokens(prompt(0, 700))
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    # (the first step, planned before any was measured, carries the whole budget, in pieces of 128)
-    assert [n for step in engine.steps for _, n in step] == [128] * 4 + [50, 50, 50, 38]
+    assert [n for step in engine.steps for _, n in step] == [512, 50, 50, 50, 38]
     session.append_tokens(prompt(1, 40))  # the next turn of a conversation: one step
     session.generate(max_tokens=1, ignore_eos=True).collect()
-    assert [n for step in engine.steps[8:] for _, n in step] == [40 + 1]  # with the last reply token
+    assert [n for step in engine.steps[5:] for _, n in step] == [40 + 1]  # with the last reply token
 
 
 def test_a_step_carries_what_the_measured_costs_fit_in_the_target_with_a_fixed_cost_per_step(cell_host, monkeypatch):
@@ -306,9 +305,8 @@ def test_the_step_that_ends_a_waiting_prompt_carries_no_piece_of_a_longer_one(ce
     # 5 ms a token, a 1 s first-token target: a long prompt alone goes 200 tokens a step. A short
     # one arrives during such a step and waits for it: its own step then carries its 10 tokens
     # alone (50 ms), not 190 of the long prompt's beside them.
-    # the long prompt's second whole-second step (the first step, unmeasured, ran as 4 pieces of 128)
     steps = itertools.count()
-    gate = Gate(lambda requests: sum(len(request.tokens) for request in requests) == 200 and next(steps) == 1)
+    gate = Gate(lambda requests: next(steps) == 2)  # the long prompt's third step, its costs measured
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=1.0, gate=gate)
     on_simulated_time(monkeypatch, engine)
     short = waiting_session(host, prompt(9, 10))
@@ -321,7 +319,7 @@ def test_the_step_that_ends_a_waiting_prompt_carries_no_piece_of_a_longer_one(ce
     long.collect()
     carrying = next(step for step in engine.steps if any(n == 10 for _, n in step))
     assert [n for _, n in carrying] == [10]
-    assert any(sum(n for _, n in step) == 200 for step in engine.steps[4:6])  # before it: whole-second steps
+    assert any(sum(n for _, n in step) == 200 for step in engine.steps[1:4])  # before it: whole-second steps
 
 
 def test_a_short_interactive_prompt_is_prefilled_in_one_step_when_steps_are_slow(cell_host, monkeypatch):
@@ -710,48 +708,76 @@ def test_a_short_arrival_stops_the_prefill_step_in_flight_and_goes_first(cell_ho
     assert again.collect() == output  # the long prompt's reply as without the interruption
 
 
-def nth_piece_of(size: int, n: int):
-    """A gate's `pause_when` that picks the `n`-th step of exactly `size` tokens."""
-    seen = itertools.count(1)
-    return lambda requests: sum(len(request.tokens) for request in requests) == size and next(seen) == n
+class ArrivalsCellEngine(CellEngine):
+    """A cell engine that calls `arrive(requests)` on the scheduler thread as each step begins
+    (before it feeds anything), so a test queues a request in the middle of a chosen step; it
+    counts the calls to interrupt() (and stops nothing)."""
+
+    def __init__(self, cells: int, **options) -> None:
+        super().__init__(cells, **options)
+        self.arrive = lambda requests: None
+        self.interrupts = 0
+
+    def interrupt(self) -> bool:
+        """Counted; False: the step runs to its end."""
+        self.interrupts += 1
+        return False
+
+    def step(self, requests):
+        """Call `arrive`, then step as a cell engine does (it cannot be stopped part-way)."""
+        self.arrive(requests)
+        return super().step(requests)
 
 
-def test_an_arrival_late_in_a_piece_stops_the_step_at_the_next_piece_and_nothing_is_lost(cell_host):
-    # the first step (the whole budget, 512 tokens, nothing measured) runs as 4 pieces of 128; a
-    # short prompt arrives during the second, which a cell engine cannot stop part-way
-    gate = Gate(nth_piece_of(128, 2))
-    host, engine = cell_host(cells=1 << 15, prefill_budget=512, gate=gate)
-    short = waiting_session(host, prompt(9, 20))
-    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
-    gate.wait_reached()
-    chat = host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=4),
-                       arrival=Arrival(Priority.DEFAULT, 20))
-    gate.open()
-    chat.result().collect()
+def sizes(steps) -> list[list[int]]:
+    return [[n for _, n in step] for step in steps]
+
+
+@pytest.mark.parametrize("second", [Arrival(Priority.DEFAULT, 20), Arrival(Priority.DEFAULT, 2000),
+                                    Arrival(Priority.BACKGROUND, 20)],
+                         ids=["a short prompt", "a longer prompt", "a less urgent class"])
+def test_while_short_requests_arrive_a_step_runs_in_pieces_and_stops_between_two_for_one(cell_host, monkeypatch,
+                                                                                         second):
+    # 5 ms a token and a 2 s first-token target: a long prompt alone goes 400 tokens a step. A
+    # short chat arriving in such a step waits for it (nothing to stop part-way on a cell engine);
+    # from then on, steps run in pieces of 133 tokens, and a second request arriving during a
+    # piece goes right after it where it goes first, with nothing thrown away
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0,
+                             engine_class=ArrivalsCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    first, other = waiting_session(host, prompt(9, 20)), waiting_session(host, prompt(10, second.prompt_tokens))
+    queued = []
+
+    def arrive(requests):
+        fed = sum(len(request.tokens) for request in requests)
+        if not queued and len(engine.steps) == 2:  # the long prompt's second 400-token step
+            queued.append(host.submit(host.commands.generate, first.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+        elif len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]]:  # a step's second piece
+            queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=second))
+
+    engine.arrive = arrive
+    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
     output = long.collect()
-    assert [n for step in engine.steps[:3] for _, n in step] == [128, 128, 20]  # then the step's other pieces
+    for future in queued:
+        future.result().collect()
+    steps = sizes(engine.steps)
+    # no pieces before a request went first: the first chat asks to stop the ~400-token step in
+    # flight (which this engine cannot), then waits for it; a piece is never asked to stop
+    assert steps[2][0] > 2 * planner.MIN_PIECE and steps[3] == [20]
+    assert engine.interrupts == 1
+    cut = steps.index([133])  # then whole-second steps run as pieces of a third
+    assert steps[cut + 1] == [133]
     stats = host.stats()
-    assert stats.yielded_steps == 1 and stats.interrupted_steps == 0
-    assert stats.prefill_tokens == 1500 + 20  # nothing fed twice, nothing thrown away
-    alone, _ = cell_host(cells=1 << 15, prefill_budget=512)
-    _, (again,) = start(alone, [prompt(0, 1500)], max_tokens=4)
-    assert again.collect() == output  # the long prompt's reply as without the stop
-
-
-@pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],
-                         ids=["a longer prompt", "a less urgent class"])
-def test_an_arrival_that_would_not_go_first_lets_the_pieces_run(cell_host, arrival):
-    gate = Gate(nth_piece_of(128, 2))
-    host, engine = cell_host(cells=1 << 15, prefill_budget=512, gate=gate)
-    other = waiting_session(host, prompt(9, arrival.prompt_tokens))
-    _, (long,) = start(host, [prompt(0, 1500)], max_tokens=4)
-    gate.wait_reached()
-    queued = host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=4), arrival=arrival)
-    gate.open()
-    queued.result().collect()
-    long.collect()
-    assert [n for step in engine.steps[:4] for _, n in step] == [128] * 4  # the step ran whole
-    assert host.stats().yielded_steps == 0
+    assert stats.interrupted_steps == 0 and stats.prefill_tokens == 3000 + 20 + second.prompt_tokens
+    if second == Arrival(Priority.DEFAULT, 20):  # it goes first: right after the piece in flight
+        assert steps[cut + 2] == [20] and stats.yielded_steps == 1
+    else:  # it does not: every piece of that step runs
+        assert steps[cut + 2] in ([133], [134]) and stats.yielded_steps == 0
+    alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
+    _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
+    assert again.collect() == output  # the long prompt's reply as without the pieces and stops
 
 
 @pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],

@@ -4,7 +4,8 @@ tokens fit in a target, never more than the measurements support."""
 import pytest
 
 from engines.base import StepRequest
-from superfluid.host.planner import MIN_PIECE, MIN_PREFILL_CHUNK, Planner, StepCosts, prefill_budget, step_seconds
+from superfluid.host.planner import (MIN_PIECE, MIN_PREFILL_CHUNK, RECENT_ARRIVALS, Planner, StepCosts,
+                                     prefill_budget, step_seconds)
 from superfluid.host.scheduler import Policy
 
 
@@ -69,8 +70,11 @@ def test_a_step_is_bounded_by_the_first_token_target_and_by_the_decode_step_targ
 
 
 def planner_of(first_token_target: float | None) -> Planner:
-    """A planner whose pieces() reads only its targets and costs (lanes are opaque to it)."""
-    return Planner(Policy(first_token_target=first_token_target), None, True, urgency=lambda live, tokens: ())
+    """A planner whose pieces() reads only its targets, costs and arrivals (lanes are opaque to
+    it), a request that went first having arrived at 100 s."""
+    planner = Planner(Policy(first_token_target=first_token_target), None, True, urgency=lambda live, tokens: ())
+    planner.arrival_went_first(100.0)
+    return planner
 
 
 def shapes(steps: list[list]) -> list[list[tuple]]:
@@ -81,7 +85,7 @@ def test_a_step_runs_its_long_chunks_in_pieces_the_first_beside_the_decode_token
     planner = planner_of(1.0)  # nothing measured: pieces of MIN_PIECE
     decode, short = ("d", StepRequest(0, [5])), ("s", StepRequest(1, list(range(40))))
     first, second = ("a", StepRequest(2, list(range(384)), "none")), ("b", StepRequest(3, list(range(1000, 1300))))
-    steps = planner.pieces([decode, short, first, second])
+    steps = planner.pieces([decode, short, first, second], 101.0)
     assert MIN_PIECE == 128
     assert shapes(steps) == [[("d", 1, "last"), ("s", 40, "last"), ("a", 128, "none")], [("a", 128, "none")],
                              [("a", 128, "none")], [("b", 150, "none")], [("b", 150, "last")]]
@@ -93,11 +97,15 @@ def test_pieces_grow_to_a_quarter_of_the_first_token_target_where_the_costs_fit_
     planner = planner_of(1.0)
     planner.costs.observe(1000, 0.5)  # 2,000 tokens a second: 500 in a quarter of the target
     chunk = ("a", StepRequest(0, list(range(1200))))
-    assert shapes(planner.pieces([chunk])) == [[("a", 600, "none")], [("a", 600, "last")]]
+    assert shapes(planner.pieces([chunk], 101.0)) == [[("a", 600, "none")], [("a", 600, "last")]]
     short_of_two = ("b", StepRequest(1, list(range(999))))  # not two pieces' worth: not cut
-    assert shapes(planner.pieces([short_of_two])) == [[("b", 999, "last")]]
+    assert shapes(planner.pieces([short_of_two], 101.0)) == [[("b", 999, "last")]]
 
 
-def test_without_a_first_token_target_a_step_is_one_piece():
+def test_without_a_first_token_target_or_a_request_going_first_lately_a_step_is_one_piece():
     step = [("a", StepRequest(0, list(range(2000))))]
-    assert planner_of(None).pieces(step) == [step]
+    assert planner_of(None).pieces(step, 101.0) == [step]
+    assert len(planner_of(1.0).pieces(step, 100.0 + RECENT_ARRIVALS)) == 15  # pieces until RECENT_ARRIVALS after
+    assert planner_of(1.0).pieces(step, 100.1 + RECENT_ARRIVALS) == [step]
+    quiet = Planner(Policy(), None, True, urgency=lambda live, tokens: ())
+    assert quiet.pieces(step, 0.0) == [step]  # none ever went first
