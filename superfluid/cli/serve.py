@@ -158,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--decode-step-target", type=float, default=0.5, help="seconds a step may last at most while a reply is "
          "being streamed: the longest wait between its tokens while prompts are fed; a reply sent whole (no "
          "`stream`) waits for its end only, so steps beside it are bounded by --first-token-target (default: 0.5)")
+    flag("--arrival-wait", type=float, default=None, help="seconds a short request that goes before the prompts "
+         "being fed may wait for the step in flight: a step with more left is stopped part-way for it, throwing away "
+         "what it did (sooner first tokens beside long prompts, at the cost of their prefill; llama.cpp on plain KV "
+         "only). Default: no such stops; such a request waits for the piece in flight (up to a quarter of "
+         "--first-token-target)")
     flag("--stream-interval", type=float, default=0.02, help="seconds between the writes of a streamed reply: its "
          "first text and its end go at once, the tokens between together at most this often (each write costs the "
          "step in flight a little; 0: every token as it comes; default: 0.02)")
@@ -297,6 +302,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
                            max_wait_seconds=args.max_wait_seconds, idle_park_seconds=args.idle_park_seconds,
                            decode_reserve=args.decode_reserve, on_context_full=args.on_context_full,
                            first_token_target=args.first_token_target, decode_step_target=args.decode_step_target,
+                           arrival_wait=args.arrival_wait,
                            stream_interval=args.stream_interval,
                            max_sessions=args.max_sessions, max_messages=args.max_messages,
                            session_expiry_seconds=args.session_expiry_seconds, disk_tier=args.disk_tier,

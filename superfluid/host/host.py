@@ -73,7 +73,8 @@ class Host:
                  low_watermark: float = 0.75, max_pinned_fraction: float = 0.5, export_budget: int | None = None,
                  decode_reserve: int = 64, idle_park_seconds: float | None = 5.0, max_waiting: int | None = None,
                  max_wait_seconds: float | None = None, first_token_target: float | None = 1.0,
-                 decode_step_target: float | None = 0.5, stream_interval: float = 0.02,
+                 decode_step_target: float | None = 0.5, arrival_wait: float | None = None,
+                 stream_interval: float = 0.02,
                  max_sessions: int | None = 1_000_000,
                  max_messages: int | None = 100_000, session_expiry_seconds: float | None = None,
                  disk_tier: bool = True, disk_budget: int | None = None, disk_dir: str | os.PathLike | None = None,
@@ -93,6 +94,12 @@ class Host:
         a step waits before its prompt goes first), and in `decode_step_target` seconds while a
         lane decodes for a reader of its tokens as they come (what its next token waits; a
         generation read whole, as `Session.complete` reads it, does not bind it); None: no bound.
+        While requests whose short prompts go before the prompts being fed keep arriving, steps
+        run in pieces and such a request waits for the piece in flight; with `arrival_wait`
+        seconds, where the engine can stop a forward part-way (llama.cpp on plain KV), a step or
+        piece with more than that left is stopped for it, throwing away what it did (a sooner
+        first token for such requests, bought with prefill; None: nothing thrown away but a step
+        barely begun).
         A generation's first text reaches its reader as soon as it is sampled, its end as soon
         as it is written, and the pieces between together, at most every `stream_interval`
         seconds (each wake of a reader costs the step in flight; 0: every step's pieces at once).
@@ -117,7 +124,8 @@ class Host:
         self.runtime = runtime or (registry.runtime_for(model) if engine_factory is None else "custom")
         options = _runtime_options(self.runtime, runtime_options) if engine_factory is None else {}
         policy = _policy(prefill_budget=prefill_budget, first_token_target=first_token_target,
-                         decode_step_target=decode_step_target, stream_interval=stream_interval,
+                         decode_step_target=decode_step_target, arrival_wait=arrival_wait,
+                         stream_interval=stream_interval,
                          checkpoint_tokens=checkpoint_tokens,
                          publish_tokens=publish_tokens, on_context_full=on_context_full,
                          decode_reserve=decode_reserve, idle_park_seconds=idle_park_seconds, max_waiting=max_waiting,
@@ -350,7 +358,7 @@ def _policy(**settings: Any) -> Policy:
                                                  or settings["max_sessions"] < 1):
         raise ValueError(f"max_sessions={settings['max_sessions']!r}: must be a whole number >= 1, or None for no cap")
     for name in ("idle_park_seconds", "max_wait_seconds", "first_token_target", "decode_step_target",
-                 "session_expiry_seconds"):
+                 "arrival_wait", "session_expiry_seconds"):
         if settings[name] is not None and not settings[name] >= 0:
             raise ValueError(f"{name}={settings[name]!r}: must be seconds >= 0, or None")
     interval = settings["stream_interval"]

@@ -51,11 +51,13 @@ if TYPE_CHECKING:
 # advance, and a chunk that would leave fewer than this behind takes them too (a step for a few
 # tokens costs nearly a whole one).
 MIN_PREFILL_CHUNK = 8
-# A step's prompt chunks run in pieces of at least this many tokens, and between two pieces the
-# step can stop for a request that goes first (`Planner.pieces`). On llama.cpp's CPU flash
+# A step's prompt chunks run in pieces of about this many tokens or more, and between two pieces
+# the step can stop for a request that goes first (`Planner.pieces`). On llama.cpp's CPU flash
 # attention a prompt token costs the same from chunks of 128 up (beside two 1,800-token documents,
 # 2.51 ms in chunks of 128 against 2.47 in 512 early in a prompt, 3.33 against 3.25 late), and
-# 5-11% more in chunks of 64.
+# 5-11% more in chunks of 64. A chunk is cut into the whole number of pieces nearest its length,
+# so a piece holds 0.75-1.5 of this (a chunk of 1.9 pieces' worth runs as two: on a machine where
+# the first-token target fits 240 tokens a step, steps cut only at two whole pieces were never cut).
 MIN_PIECE = 128
 # ...and of at most about this share of the first-token target where the measured costs allow
 # more than MIN_PIECE in it: a request that goes first waits for at most one piece.
@@ -241,8 +243,9 @@ class Planner:
     def pieces(self, requests: list, now: float) -> list[list]:
         """The step's (lane, StepRequest) pairs as the sub-steps the scheduler runs one after
         another. While requests that go first keep arriving (one in the last RECENT_ARRIVALS
-        seconds before `now`), a prompt chunk of two pieces' worth or more is cut into pieces of at least
-        MIN_PIECE tokens (about PIECE_SHARE of the first-token target where the costs fit more),
+        seconds before `now`), a prompt chunk of one and a half pieces' worth or more is cut into
+        pieces of about MIN_PIECE tokens or more (PIECE_SHARE of the first-token target where the
+        costs fit more; the chunk's length over that, rounded, is how many),
         every piece but its last asking for no logits. The first sub-step carries the decode
         tokens, the chunks not cut and the first piece of the first chunk cut; every later piece
         is a sub-step of its own, in the plan's order (the most urgent prompt's pieces first).
@@ -257,7 +260,7 @@ class Planner:
         size = max(MIN_PIECE, self.costs.tokens_within(PIECE_SHARE * self.policy.first_token_target) or 0)
         first, later = [], []
         for live, request in requests:
-            count = len(request.tokens) // size
+            count = round(len(request.tokens) / size)  # the whole number of pieces nearest its length
             if count < 2 or request.logits == "all":  # (rows of every token: not cut)
                 first.append((live, request))
                 continue

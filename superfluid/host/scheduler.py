@@ -61,6 +61,7 @@ class Policy:
     prefill_budget: int = 512
     first_token_target: float | None = 1.0
     decode_step_target: float | None = 0.5
+    arrival_wait: float | None = None
     checkpoint_tokens: int = 256
     publish_tokens: int = 256
     on_context_full: str = "error"
@@ -95,7 +96,7 @@ class Scheduler:
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
         self._arrived: Arrival | None = None  # the latest request hurry() heard of, for the next step
-        self._cut = False  # the step in flight runs in pieces (hurry() then stops none part-way)
+        self._cut = False  # the step in flight runs in pieces (hurry() stops one part-way only within arrival_wait)
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
@@ -388,13 +389,14 @@ class Scheduler:
         """A request was just queued (from any thread). If it would go before what the step in
         flight feeds, the next steps run in pieces, and a step not in pieces that has barely
         begun is stopped (interruption.py); a step in pieces ends after the piece in flight, and
-        between steps the next one looks at the request before it starts."""
+        between steps the next one looks at the request before it starts. With the policy's
+        arrival_wait, any step or piece with more than that left is stopped."""
         self._arrived = arrival
         flight, now = self.in_flight, perf_counter()
         if flight is not None and goes_first(arrival, flight.first, flight.tokens):
             self.planner.arrival_went_first(now)  # the next steps are cut into pieces (planner.py)
-            # (a piece is not stopped part-way: it ends soon, and the step ends after it)
-            if not self._cut and worth_interrupting(flight, arrival, now):
+            # (a piece is stopped part-way only within arrival_wait: else it ends soon, and the step after it)
+            if worth_interrupting(flight, arrival, now, piece=self._cut, wait=self.policy.arrival_wait):
                 self.engine.interrupt()
 
     def _step(self, requests: list) -> None:
@@ -425,7 +427,8 @@ class Scheduler:
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
         arrived, self._arrived = self._arrived, None
-        if arrived is not None and worth_interrupting(self.in_flight, arrived, began):
+        if arrived is not None and worth_interrupting(self.in_flight, arrived, began, piece=self._cut,
+                                                      wait=self.policy.arrival_wait):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.planner.arrival_went_first(began)

@@ -21,8 +21,9 @@ from engines.errors import EngineError, Interrupted
 from superfluid import ContextFull, Host
 from superfluid.host import planner, scheduler
 from superfluid.host.churn import Churn
+from superfluid.host.host import _policy
 from superfluid.host.errors import Overloaded
-from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
+from superfluid.host.interruption import Arrival, StepInFlight, goes_first, worth_interrupting
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import SamplingError
 from tests.cellengine import CellEngine
@@ -780,6 +781,67 @@ def test_while_short_requests_arrive_a_step_runs_in_pieces_and_stops_between_two
     assert again.collect() == output  # the long prompt's reply as without the pieces and stops
 
 
+class StoppingArrivalsCellEngine(ArrivalsCellEngine):
+    """An ArrivalsCellEngine that can be stopped: interrupt() during `arrive` makes the step
+    raise Interrupted having fed nothing (as llama.cpp stops a forward in its only ubatch)."""
+
+    def __init__(self, cells: int, **options) -> None:
+        super().__init__(cells, **options)
+        self.stop = False
+
+    def interrupt(self) -> bool:
+        """Counted; the step in flight stops."""
+        self.interrupts += 1
+        self.stop = True
+        return True
+
+    def step(self, requests):
+        """Call `arrive`; stopped there: Interrupted, nothing fed."""
+        self.arrive(requests)
+        if self.stop:
+            self.stop = False
+            raise Interrupted("stopped for a request that goes first")
+        return CellEngine.step(self, requests)
+
+
+def test_with_an_arrival_wait_a_piece_in_flight_is_stopped_for_a_request_that_goes_first(cell_host, monkeypatch):
+    # As above (5 ms a token, a 2 s first-token target, pieces of 133 tokens once a request went
+    # first), with arrival_wait 0.1 s: a piece predicted to last 0.665 s is stopped for a short
+    # chat arriving as it begins, which goes next; the piece fed nothing, and is fed again after
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=0.1,
+                             engine_class=StoppingArrivalsCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    first, other = waiting_session(host, prompt(9, 20)), waiting_session(host, prompt(10, 20))
+    queued, stopped = [], []
+
+    def arrive(requests):
+        fed = sum(len(request.tokens) for request in requests)
+        if not queued and len(engine.steps) == 2:  # the long prompt's second 400-token step
+            queued.append(host.submit(host.commands.generate, first.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+        elif len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]]:  # a step's second piece
+            queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+            stopped.append(len(engine.steps))
+
+    engine.arrive = arrive
+    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
+    output = long.collect()
+    for future in queued:
+        future.result().collect()
+    steps = sizes(engine.steps)
+    # the first chat stops the 400-token step as it begins (a step barely begun, as without a
+    # wait), the second the piece in flight: each goes next, and nothing is fed twice
+    assert steps[2] == [20] and steps[stopped[0]] == [20] and steps[stopped[0] - 1] == [133]
+    assert engine.interrupts == 2
+    stats = host.stats()
+    assert stats.interrupted_steps == 2 and stats.yielded_steps == 0
+    assert stats.prefill_tokens == 3000 + 20 + 20
+    alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
+    _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
+    assert again.collect() == output  # the long prompt's reply as without the stops
+
+
 @pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],
                          ids=["a longer prompt", "a less urgent class"])
 def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeypatch, arrival):
@@ -809,6 +871,12 @@ def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeyp
 def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
     flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(flight, arrival, 10.0 + elapsed) is expected
+    assert worth_interrupting(flight, arrival, 10.0 + elapsed, piece=True) is False  # a piece runs to its end
+    # with an arrival wait, a step or piece with more than that left stops for any that goes first
+    for piece in (False, True):
+        assert worth_interrupting(flight, arrival, 10.0 + elapsed, piece=piece, wait=0.5) is (
+            goes_first(arrival, flight.first, flight.tokens) and 1.0 - elapsed > 0.5)
+        assert worth_interrupting(flight, arrival, 10.0 + 0.96, piece=piece, wait=0.0) is False  # 0.04 s left: kept
     assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
     short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
@@ -966,3 +1034,11 @@ def test_a_short_request_arriving_at_every_step_does_not_keep_a_long_prompt_held
     # in a row), so under 0.4 s and one step; without the bound it would wait for every arrival
     assert max(sum(cost(step) for step in gap) for gap in held) <= 0.4 + max(cost(s) for gap in held for s in gap)
     assert long.tokens == alone(cell_host, [prompt(0, 1500)], 2)[0]
+
+
+@pytest.mark.parametrize("wait", [-0.1, float("nan")])
+def test_a_bad_arrival_wait_is_refused_by_name(wait):
+    settings = {name: getattr(scheduler.Policy(), name) for name in scheduler.Policy.__dataclass_fields__}
+    settings["arrival_wait"] = wait
+    with pytest.raises(ValueError, match="arrival_wait"):
+        _policy(**settings)

@@ -98,14 +98,16 @@ def test_pieces_grow_to_a_quarter_of_the_first_token_target_where_the_costs_fit_
     planner.costs.observe(1000, 0.5)  # 2,000 tokens a second: 500 in a quarter of the target
     chunk = ("a", StepRequest(0, list(range(1200))))
     assert shapes(planner.pieces([chunk], 101.0)) == [[("a", 600, "none")], [("a", 600, "last")]]
-    short_of_two = ("b", StepRequest(1, list(range(999))))  # not two pieces' worth: not cut
-    assert shapes(planner.pieces([short_of_two], 101.0)) == [[("b", 999, "last")]]
+    nearly_two = ("b", StepRequest(1, list(range(950))))  # 1.9 pieces' worth: two pieces
+    assert shapes(planner.pieces([nearly_two], 101.0)) == [[("b", 475, "none")], [("b", 475, "last")]]
+    under_one_and_a_half = ("c", StepRequest(2, list(range(700))))  # 1.4: one piece, not cut
+    assert shapes(planner.pieces([under_one_and_a_half], 101.0)) == [[("c", 700, "last")]]
 
 
 def test_without_a_first_token_target_or_a_request_going_first_lately_a_step_is_one_piece():
     step = [("a", StepRequest(0, list(range(2000))))]
     assert planner_of(None).pieces(step, 101.0) == [step]
-    assert len(planner_of(1.0).pieces(step, 100.0 + RECENT_ARRIVALS)) == 15  # pieces until RECENT_ARRIVALS after
+    assert len(planner_of(1.0).pieces(step, 100.0 + RECENT_ARRIVALS)) == 16  # 15.6 pieces of 128: 16, until RECENT_ARRIVALS after
     assert planner_of(1.0).pieces(step, 100.1 + RECENT_ARRIVALS) == [step]
     quiet = Planner(Policy(), None, True, urgency=lambda live, tokens: ())
     assert quiet.pieces(step, 0.0) == [step]  # none ever went first
