@@ -243,33 +243,36 @@ class Planner:
     def pieces(self, requests: list, now: float) -> list[list]:
         """The step's (lane, StepRequest) pairs as the sub-steps the scheduler runs one after
         another. While requests that go first keep arriving (one in the last RECENT_ARRIVALS
-        seconds before `now`), a prompt chunk of one and a half pieces' worth or more is cut into
-        pieces of about MIN_PIECE tokens or more (PIECE_SHARE of the first-token target where the
-        costs fit more; the chunk's length over that, rounded, is how many),
-        every piece but its last asking for no logits. The first sub-step carries the decode
-        tokens, the chunks not cut and the first piece of the first chunk cut; every later piece
-        is a sub-step of its own, in the plan's order (the most urgent prompt's pieces first).
-        Between two sub-steps the step can stop for a request that goes first, which then waits
-        for one piece at most instead of the whole step, and nothing already run is lost; cut
-        where it could not stop, the step does the same work in the same forwards (a chunk of 64
-        tokens or more runs in a forward of its own). No target, or no such request lately: one
-        sub-step, as planned."""
+        seconds before `now`), every prompt chunk of half a piece or more runs as pieces of its
+        own: a piece is about MIN_PIECE tokens or more (PIECE_SHARE of the first-token target
+        where the costs fit more), a chunk is cut into the whole number of pieces nearest its
+        length (one under one and a half pieces' worth is one piece), and every piece but a
+        chunk's last asks for no logits. The first sub-step carries the decode tokens, the
+        shorter chunks and the first piece; every later piece is a sub-step of its own, in the
+        plan's order (the most urgent prompt's pieces first). Between two sub-steps the step can
+        stop for a request that goes first, which then waits for one piece at most instead of
+        the whole step, and nothing already run is lost. Where the engine runs each chunk of 64
+        tokens or more in a forward of its own (llama.cpp's CPU flash attention), a step whose
+        chunks are all under a piece costs no forward more for it (two agents' chunks of 111 and
+        100 tokens had run as one sub-step of a whole second, which a chat waited for). No
+        target, or no such request lately: one sub-step, as planned."""
         recent = self.went_first_at is not None and now - self.went_first_at <= RECENT_ARRIVALS
         if self.policy.first_token_target is None or not recent:
             return [requests]
         size = max(MIN_PIECE, self.costs.tokens_within(PIECE_SHARE * self.policy.first_token_target) or 0)
-        first, later = [], []
+        first, later, opened = [], [], False
         for live, request in requests:
-            count = round(len(request.tokens) / size)  # the whole number of pieces nearest its length
-            if count < 2 or request.logits == "all":  # (rows of every token: not cut)
+            if 2 * len(request.tokens) < size or request.logits == "all":  # (rows of every token: not cut)
                 first.append((live, request))
                 continue
             tokens, end = request.tokens, len(request.tokens)
+            count = max(1, round(end / size))  # the whole number of pieces nearest its length
             bounds = [end * i // count for i in range(count + 1)]
             cut = [(live, StepRequest(request.seq, tokens[a:b], request.logits if b == end else "none"))
                    for a, b in zip(bounds, bounds[1:])]
-            if not later:
+            if not opened:
                 first.append(cut.pop(0))
+                opened = True
             later.extend([piece] for piece in cut)
         return [first, *later]
 

@@ -91,6 +91,11 @@ def test_a_step_runs_its_long_chunks_in_pieces_the_first_beside_the_decode_token
                              [("a", 128, "none")], [("b", 150, "none")], [("b", 150, "last")]]
     for lane, request in (first, second):  # each chunk's tokens, in order, once
         assert [t for step in steps for name, piece in step if name == lane for t in piece.tokens] == request.tokens
+    # chunks under a piece each: one piece each (they would run in forwards of their own anyway)
+    two = [decode, ("a", StepRequest(2, list(range(111)), "none")), ("b", StepRequest(3, list(range(100))))]
+    assert shapes(planner.pieces(two, 101.0)) == [[("d", 1, "last"), ("a", 111, "none")], [("b", 100, "last")]]
+    small = [decode, short, ("c", StepRequest(4, list(range(63))))]  # under half a piece: not apart
+    assert planner.pieces(small, 101.0) == [small]
 
 
 def test_pieces_grow_to_a_quarter_of_the_first_token_target_where_the_costs_fit_more():
