@@ -13,7 +13,9 @@ slots sharing 16,384), each driven with the openai client in its own child proce
    random pause of up to `chat_gap` seconds, so it arrives at any moment of the server's step, as
    a person's message does. Goal: at most 2x idle,
    read as idle / loaded >= 0.5; and ahead of the others. The agents' requests finished and
-   failed, and the chats sent, are noted.
+   failed, and the chats sent, are noted. Ours runs it twice: as serve starts by default (a chat
+   waits for the piece of a step in flight), and with `--arrival-wait` ARRIVAL_WAIT (the piece
+   is stopped for it, and what it did thrown away: the seconds thrown away are noted).
 3. clients at once: `clients` streamed chats with long prompts sent together; how many were
    served, refused before their stream (503) or failed otherwise, and the time until the last.
 
@@ -45,6 +47,11 @@ from benchmarks.traffic import percentile  # noqa: E402
 GROUP = "under load: ours against llama-cpp-python's server"
 PEER_GROUP = servers.PEER_GROUP
 N_CTX = 4096
+# serve --arrival-wait of the second run of ours behind the agents: about an idle engine's
+# first token for a one-line chat on 2 cores, so that a chat's first token comes within about
+# twice that
+ARRIVAL_WAIT = 0.05
+OURS_WAIT = f"{servers.OURS} --arrival-wait {ARRIVAL_WAIT:g}"
 CHATS = ["What is the capital of France?", "Which river runs through Rome?", "How many legs has a spider?",
          "Where is Mount Fuji?", "What colour is the sky?", "Who wrote Hamlet?"]
 
@@ -174,6 +181,9 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
         run.note(f"{served.label}: chat first token {side}, p50 / p95 (ms)",
                  f"{1e3 * percentile(samples, 50):.1f} / {1e3 * percentile(samples, 95):.1f} of {len(samples)}")
     run.note(f"{served.label}: agent requests finished / failed while the chats ran", f"{finished[0]} / {len(failed)}")
+    if served.label in (servers.OURS, OURS_WAIT):
+        thrown = served.metrics("superfluid_")["superfluid_interrupted_seconds_total"]
+        run.note(f"{served.label}: seconds of steps stopped part-way (work thrown away)", f"{thrown:.2f}")
     run.note(f"{served.label}: chats sent behind the agents (of {sizes.chats}, for at most {sizes.chat_seconds:g} s)",
              len(loaded))
 
@@ -231,18 +241,22 @@ def ratio_if_measured(run: Run, label: str, *, ours: str, baseline: str, **optio
 
 def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) -> None:
     """The three shapes on each server, then the ratios."""
+    every = (("idle sessions", idle_sessions), ("agents and a chat", agents_and_chat),
+             (f"{sizes.clients} clients", clients_at_once))
     with tempfile.TemporaryDirectory() as scratch:
-        for start in (lambda: servers.start_ours(model, N_CTX, scratch),
-                      lambda: servers.start_theirs(model, N_CTX, cache=False),
-                      lambda: servers.start_peer(model, servers.PEER_CONTEXT),
-                      # 8 slots on twice the cells: on 8,192 the 8 agents' 14,400 prompt tokens overflow the
-                      # cache and every agent is refused, which leaves nothing for the chat to be behind
-                      lambda: servers.start_peer(model, 2 * servers.PEER_CONTEXT, slots=8)):
+        for start, shapes in ((lambda: servers.start_ours(model, N_CTX, scratch), every),
+                              (lambda: servers.start_ours(model, N_CTX, scratch, label=OURS_WAIT,
+                                                          extra=("--arrival-wait", str(ARRIVAL_WAIT))),
+                               every[1:2]),
+                              (lambda: servers.start_theirs(model, N_CTX, cache=False), every),
+                              (lambda: servers.start_peer(model, servers.PEER_CONTEXT), every),
+                              # 8 slots on twice the cells: on 8,192 the 8 agents' 14,400 prompt tokens overflow the
+                              # cache and every agent is refused, which leaves nothing for the chat to be behind
+                              (lambda: servers.start_peer(model, 2 * servers.PEER_CONTEXT, slots=8), every)):
             served = start()
             try:
                 served.complete(text_of(32, salt=999), 4)  # one-time costs go here
-                for name, shape in (("idle sessions", idle_sessions), ("agents and a chat", agents_and_chat),
-                                    (f"{sizes.clients} clients", clients_at_once)):
+                for name, shape in shapes:
                     try:
                         shape(run, served, sizes)
                     except Exception as exc:  # noqa: BLE001 - a server failing a shape is a finding, not the end
@@ -250,15 +264,18 @@ def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) 
                     tick(f"{served.label}: {name}")
             finally:
                 served.stop()
-    for side in (servers.OURS, servers.THEIRS, *servers.PEERS):
-        ratio_if_measured(run, f"{side}: decode beside {sizes.sessions} idle sessions / empty",
-                          ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
-                          baseline=f"{side}: decode tokens/s, empty", group=GROUP if side in (servers.OURS, servers.THEIRS)
-                          else PEER_GROUP, goal=0.9 if side == servers.OURS else None)
+    for side in (servers.OURS, OURS_WAIT, servers.THEIRS, *servers.PEERS):
+        if side != OURS_WAIT:  # (it runs the agents alone)
+            ratio_if_measured(run, f"{side}: decode beside {sizes.sessions} idle sessions / empty",
+                              ours=f"{side}: decode tokens/s beside {sizes.sessions} idle sessions",
+                              baseline=f"{side}: decode tokens/s, empty",
+                              group=GROUP if side in (servers.OURS, servers.THEIRS) else PEER_GROUP,
+                              goal=0.9 if side == servers.OURS else None)
         ratio_if_measured(run, f"{side}: chat first token, idle / behind {sizes.agents} agents",
                           ours=f"{side}: chat first token behind {sizes.agents} agents",
-                          baseline=f"{side}: chat first token, idle", group=GROUP if side in (servers.OURS, servers.THEIRS)
-                          else PEER_GROUP, goal=0.5 if side == servers.OURS else None)
+                          baseline=f"{side}: chat first token, idle",
+                          group=GROUP if side in (servers.OURS, OURS_WAIT, servers.THEIRS) else PEER_GROUP,
+                          goal=0.5 if side in (servers.OURS, OURS_WAIT) else None)
     for theirs, group in ((servers.THEIRS, GROUP), *((peer, PEER_GROUP) for peer in servers.PEERS)):
         name = "theirs" if theirs == servers.THEIRS else theirs
         ratio_if_measured(run, f"chat first token behind {sizes.agents} agents: {name} / ours",

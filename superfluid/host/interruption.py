@@ -15,17 +15,16 @@ one of two ways:
   for an arrival that goes first and, if there is one, ends the step there. What ran is kept,
   nothing is thrown away, and the request waits for the piece in flight at most. Any engine,
   any memory. (The first such request after a quiet spell waits for the step, as before.)
-- **Part-way, when a step not in pieces has barely begun.** Where the engine can stop a
-  forward part-way (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that
-  queues the request asks it to when at most INTERRUPT_WITHIN of the step's predicted time has
-  passed and at least MIN_SAVED_SECONDS of it remain: the work thrown away is what the step did
-  so far. An arrival later in the step waits for its end instead, and a piece is never stopped
-  so: it lasts about a quarter of the target, and stopping one throws away what it did to save
-  the rest.
+- **Part-way, when a step or piece has barely begun.** Where the engine can stop a forward
+  part-way (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that queues
+  the request asks it to when at most INTERRUPT_WITHIN of the step's (or piece's) predicted time
+  has passed and at least MIN_SAVED_SECONDS of it remain: the work thrown away is what it did so
+  far, a quarter of it at most. An arrival later in it waits for its end instead.
 
-That default spends nothing to answer sooner, and a request that goes first waits for up to a
-piece: beside prompts that keep prefilling, a chat arriving at a random moment waits about half
-a piece by the median and nearly a whole one at the 95th percentile (0.3-0.5 s on 2 cores).
+That default spends little to answer sooner, and a request that goes first waits for up to
+three quarters of a piece: beside prompts that keep prefilling, a chat arriving at a random
+moment waits about a quarter of a piece by the median and nearly three quarters at the 95th
+percentile (a piece lasts 0.3-0.5 s on 2 cores).
 **`arrival_wait`** (a Host option, `--arrival-wait` for serve) trades prefill for that wait:
 where the engine can stop a forward, a step or piece with more than `arrival_wait` seconds of
 its predicted time left is stopped for such a request, whatever it did so far is thrown away,
@@ -77,16 +76,14 @@ def goes_first(arrival: Arrival, first: tuple[Priority, int], tokens: int) -> bo
     return arrival.priority != first[0] or arrival.prompt_tokens <= tokens
 
 
-def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float, *, piece: bool = False,
-                       wait: float | None = None) -> bool:
-    """True when `arrival` should stop `flight` (None: no prompt is being fed) at `now`. `piece`:
-    the flight is one piece of a step cut in pieces. `wait` (the policy's arrival_wait): the most
-    such an arrival waits for what is left of a step or piece; None: a step barely begun is
-    stopped, a piece never."""
+def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float, wait: float | None = None) -> bool:
+    """True when `arrival` should stop `flight` (a step or piece; None: no prompt is being fed)
+    at `now`. `wait` (the policy's arrival_wait): the most such an arrival waits for what is left
+    of it; None: only one barely begun is stopped."""
     if flight is None or not goes_first(arrival, flight.first, flight.tokens):
         return False
     elapsed = now - flight.began
     left = flight.predicted - elapsed
     if wait is not None:
         return left > max(wait, MIN_SAVED_SECONDS)
-    return not piece and elapsed <= INTERRUPT_WITHIN * flight.predicted and left >= MIN_SAVED_SECONDS
+    return elapsed <= INTERRUPT_WITHIN * flight.predicted and left >= MIN_SAVED_SECONDS

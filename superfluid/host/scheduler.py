@@ -96,7 +96,6 @@ class Scheduler:
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
         self._arrived: Arrival | None = None  # the latest request hurry() heard of, for the next step
-        self._cut = False  # the step in flight runs in pieces (hurry() stops one part-way only within arrival_wait)
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
@@ -387,16 +386,16 @@ class Scheduler:
 
     def hurry(self, arrival: Arrival) -> None:
         """A request was just queued (from any thread). If it would go before what the step in
-        flight feeds, the next steps run in pieces, and a step not in pieces that has barely
-        begun is stopped (interruption.py); a step in pieces ends after the piece in flight, and
+        flight feeds, the next steps run in pieces, and a step or piece that has barely begun
+        is stopped (interruption.py); else a step in pieces ends after the piece in flight, and
         between steps the next one looks at the request before it starts. With the policy's
         arrival_wait, any step or piece with more than that left is stopped."""
         self._arrived = arrival
         flight, now = self.in_flight, perf_counter()
         if flight is not None and goes_first(arrival, flight.first, flight.tokens):
             self.planner.arrival_went_first(now)  # the next steps are cut into pieces (planner.py)
-            # (a piece is stopped part-way only within arrival_wait: else it ends soon, and the step after it)
-            if worth_interrupting(flight, arrival, now, piece=self._cut, wait=self.policy.arrival_wait):
+            # (else a piece ends soon, and the step ends after it)
+            if worth_interrupting(flight, arrival, now, self.policy.arrival_wait):
                 self.engine.interrupt()
 
     def _step(self, requests: list) -> None:
@@ -404,7 +403,6 @@ class Scheduler:
         each piece after the first, stop for a request that arrived meanwhile and goes first
         (interruption.py): what ran is kept, and the rest is planned again after it."""
         pieces = self.planner.pieces(requests, perf_counter()) if requests else []
-        self._cut = len(pieces) > 1
         for index, piece in enumerate(pieces):
             if index:
                 # (a lane may have ended in the pieces before: a failed log write ends its generation)
@@ -427,8 +425,7 @@ class Scheduler:
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
         arrived, self._arrived = self._arrived, None
-        if arrived is not None and worth_interrupting(self.in_flight, arrived, began, piece=self._cut,
-                                                      wait=self.policy.arrival_wait):
+        if arrived is not None and worth_interrupting(self.in_flight, arrived, began, self.policy.arrival_wait):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.planner.arrival_went_first(began)

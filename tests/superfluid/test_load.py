@@ -765,9 +765,10 @@ def test_while_short_requests_arrive_a_step_runs_in_pieces_and_stops_between_two
         future.result().collect()
     steps = sizes(engine.steps)
     # no pieces before a request went first: the first chat asks to stop the ~400-token step in
-    # flight (which this engine cannot), then waits for it; a piece is never asked to stop
+    # flight (which this engine cannot), then waits for it; the second, where it goes first, asks
+    # to stop the piece it arrives in as that begins (nor can it), then waits for that piece
     assert steps[2][0] > 2 * planner.MIN_PIECE and steps[3] == [20]
-    assert engine.interrupts == 1
+    assert engine.interrupts == (2 if second == Arrival(Priority.DEFAULT, 20) else 1)
     cut = steps.index([133])  # then whole-second steps run as pieces of a third
     assert steps[cut + 1] == [133]
     stats = host.stats()
@@ -804,15 +805,19 @@ class StoppingArrivalsCellEngine(ArrivalsCellEngine):
         return CellEngine.step(self, requests)
 
 
-def test_with_an_arrival_wait_a_piece_in_flight_is_stopped_for_a_request_that_goes_first(cell_host, monkeypatch):
+@pytest.mark.parametrize("wait", [0.1, None], ids=["an arrival wait of 0.1 s", "no arrival wait"])
+def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_that_goes_first(cell_host, monkeypatch,
+                                                                                               wait):
     # As above (5 ms a token, a 2 s first-token target, pieces of 133 tokens once a request went
-    # first), with arrival_wait 0.1 s: a piece predicted to last 0.665 s is stopped for a short
-    # chat arriving as it begins, which goes next; the piece fed nothing, and is fed again after
-    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=0.1,
+    # first), on an engine that can stop a forward. A second short chat arrives 0.3 s into a
+    # piece predicted to last 0.665 s: past its first quarter, so without a wait the piece runs
+    # on and the chat goes after it; with arrival_wait 0.1 s (0.365 s left) the piece is stopped,
+    # having fed nothing, the chat goes next, and the piece is fed again after it
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=wait,
                              engine_class=StoppingArrivalsCellEngine)
     on_simulated_time(monkeypatch, engine)
     first, other = waiting_session(host, prompt(9, 20)), waiting_session(host, prompt(10, 20))
-    queued, stopped = [], []
+    queued, arrived_in = [], []
 
     def arrive(requests):
         fed = sum(len(request.tokens) for request in requests)
@@ -820,9 +825,10 @@ def test_with_an_arrival_wait_a_piece_in_flight_is_stopped_for_a_request_that_go
             queued.append(host.submit(host.commands.generate, first.id, GenerateRequest.of(max_tokens=2),
                                       arrival=Arrival(Priority.DEFAULT, 20)))
         elif len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]]:  # a step's second piece
+            engine.now += 0.3
             queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
                                       arrival=Arrival(Priority.DEFAULT, 20)))
-            stopped.append(len(engine.steps))
+            arrived_in.append(len(engine.steps))
 
     engine.arrive = arrive
     _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
@@ -830,13 +836,16 @@ def test_with_an_arrival_wait_a_piece_in_flight_is_stopped_for_a_request_that_go
     for future in queued:
         future.result().collect()
     steps = sizes(engine.steps)
-    # the first chat stops the 400-token step as it begins (a step barely begun, as without a
-    # wait), the second the piece in flight: each goes next, and nothing is fed twice
-    assert steps[2] == [20] and steps[stopped[0]] == [20] and steps[stopped[0] - 1] == [133]
-    assert engine.interrupts == 2
+    # the first chat stops the 400-token step as it begins (barely begun, with or without a wait)
+    assert steps[2] == [20]
     stats = host.stats()
-    assert stats.interrupted_steps == 2 and stats.yielded_steps == 0
-    assert stats.prefill_tokens == 3000 + 20 + 20
+    if wait is not None:  # the piece it arrived in fed nothing: the chat is the next step fed
+        assert steps[arrived_in[0]] == [20] and steps[arrived_in[0] - 1] == [133]
+        assert engine.interrupts == 2 and stats.interrupted_steps == 2 and stats.yielded_steps == 0
+    else:  # the piece runs to its end, and the step ends after it
+        assert steps[arrived_in[0]] == [133] and steps[arrived_in[0] + 1] == [20]
+        assert engine.interrupts == 1 and stats.interrupted_steps == 1 and stats.yielded_steps == 1
+    assert stats.prefill_tokens == 3000 + 20 + 20  # nothing fed twice
     alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
     _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
     assert again.collect() == output  # the long prompt's reply as without the stops
@@ -871,12 +880,10 @@ def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeyp
 def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
     flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(flight, arrival, 10.0 + elapsed) is expected
-    assert worth_interrupting(flight, arrival, 10.0 + elapsed, piece=True) is False  # a piece runs to its end
     # with an arrival wait, a step or piece with more than that left stops for any that goes first
-    for piece in (False, True):
-        assert worth_interrupting(flight, arrival, 10.0 + elapsed, piece=piece, wait=0.5) is (
-            goes_first(arrival, flight.first, flight.tokens) and 1.0 - elapsed > 0.5)
-        assert worth_interrupting(flight, arrival, 10.0 + 0.96, piece=piece, wait=0.0) is False  # 0.04 s left: kept
+    assert worth_interrupting(flight, arrival, 10.0 + elapsed, wait=0.5) is (
+        goes_first(arrival, flight.first, flight.tokens) and 1.0 - elapsed > 0.5)
+    assert worth_interrupting(flight, arrival, 10.0 + 0.96, wait=0.0) is False  # 0.04 s left: kept
     assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
     short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
