@@ -30,9 +30,9 @@ where the engine can stop a forward, a step or piece with more than `arrival_wai
 its predicted time left is stopped for such a request, whatever it did so far is thrown away,
 and the request waits at most about that long. Each stop throws away up to a piece, so what it
 costs grows with how often such requests arrive: with a chat every second beside three long
-documents on 2 cores, `arrival_wait` 0.08 s brought the chats' 95th percentile from 0.63 to
-0.16 s (about twice an idle engine's first token) and made the documents 38% slower (11 s of
-46 thrown away).
+documents on 2 cores, `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s
+to 0.10-0.17 s (an idle engine's first token took 81-96 ms) and made the documents 41% slower
+(14 s of 51 thrown away).
 
 The scheduler counts both: the steps ended between pieces (`yielded_steps`), and those stopped
 part-way with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
