@@ -119,6 +119,8 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
     and a person's message arrives at any moment of a step. How many agent requests finished and
     failed is noted."""
     idle = [first_token(served, f"Be brief, {i}.", CHATS[i % len(CHATS)]) for i in range(sizes.chats)]
+    ours = served.label in (servers.OURS, OURS_WAIT)
+    thrown_before = served.metrics("superfluid_")["superfluid_interrupted_seconds_total"] if ours else 0.0
     stop = threading.Event()
     lock = threading.Condition()
     in_flight, finished, failed = [0], [0], []
@@ -181,9 +183,10 @@ def agents_and_chat(run: Run, served: servers.Served, sizes: LoadSizes) -> None:
         run.note(f"{served.label}: chat first token {side}, p50 / p95 (ms)",
                  f"{1e3 * percentile(samples, 50):.1f} / {1e3 * percentile(samples, 95):.1f} of {len(samples)}")
     run.note(f"{served.label}: agent requests finished / failed while the chats ran", f"{finished[0]} / {len(failed)}")
-    if served.label in (servers.OURS, OURS_WAIT):
-        thrown = served.metrics("superfluid_")["superfluid_interrupted_seconds_total"]
-        run.note(f"{served.label}: seconds of steps stopped part-way (work thrown away)", f"{thrown:.2f}")
+    if ours:
+        thrown = served.metrics("superfluid_")["superfluid_interrupted_seconds_total"] - thrown_before
+        run.note(f"{served.label}: seconds of steps stopped part-way behind the agents (work thrown away)",
+                 f"{thrown:.2f}")
     run.note(f"{served.label}: chats sent behind the agents (of {sizes.chats}, for at most {sizes.chat_seconds:g} s)",
              len(loaded))
 
@@ -239,14 +242,22 @@ def ratio_if_measured(run: Run, label: str, *, ours: str, baseline: str, **optio
         run.note(f"{label}: no ratio", "a side failed the shape (noted above)")
 
 
+def own_folder(scratch: str, name: str) -> str:
+    """A folder `name` made under `scratch`, for a server's log of its own."""
+    folder = Path(scratch) / name
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
 def bench(run: Run, model: Path, sizes: LoadSizes, tick: Callable[[str], None]) -> None:
     """The three shapes on each server, then the ratios."""
     every = (("idle sessions", idle_sessions), ("agents and a chat", agents_and_chat),
              (f"{sizes.clients} clients", clients_at_once))
     with tempfile.TemporaryDirectory() as scratch:
         for start, shapes in ((lambda: servers.start_ours(model, N_CTX, scratch), every),
-                              (lambda: servers.start_ours(model, N_CTX, scratch, label=OURS_WAIT,
-                                                          extra=("--arrival-wait", str(ARRIVAL_WAIT))),
+                              # a log of its own: the first one's idle sessions are not its
+                              (lambda: servers.start_ours(model, N_CTX, own_folder(scratch, "arrival-wait"),
+                                                          label=OURS_WAIT, extra=("--arrival-wait", str(ARRIVAL_WAIT))),
                                every[1:2]),
                               (lambda: servers.start_theirs(model, N_CTX, cache=False), every),
                               (lambda: servers.start_peer(model, servers.PEER_CONTEXT), every),

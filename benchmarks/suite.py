@@ -97,7 +97,7 @@ class Sizes:
         routed = len(routing.POLICIES)
         sampled = len(sampling.SETTINGS) * models
         return (engines * per_engine + servers + http + talks + routed + sampled
-                + 2 + 3 * 4)  # + decode bound, interactive, 3 load shapes x 4
+                + 2 + 3 * 4 + 1)  # + decode bound, interactive, 3 load shapes x 4, the agents again with --arrival-wait
 
 
 FULL = Sizes(lengths=(256, 1024, 4096), restore_repeat=7, contexts=(256, 512, 1024, 2048, 4096), ttft_repeat_short=3,

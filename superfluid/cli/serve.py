@@ -161,8 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--arrival-wait", type=float, default=None, help="seconds a short request that goes before the prompts "
          "being fed may wait for the step in flight: a step with more left is stopped part-way for it, throwing away "
          "what it did (sooner first tokens beside long prompts, at the cost of their prefill; llama.cpp on plain KV "
-         "only). Default: no such stops; such a request waits for the piece in flight (up to a quarter of "
-         "--first-token-target)")
+         "only). Default: none; only a step or piece in its first quarter is stopped, and such a request otherwise "
+         "waits for the piece in flight (about a quarter of --first-token-target)")
     flag("--stream-interval", type=float, default=0.02, help="seconds between the writes of a streamed reply: its "
          "first text and its end go at once, the tokens between together at most this often (each write costs the "
          "step in flight a little; 0: every token as it comes; default: 0.02)")

@@ -98,8 +98,8 @@ class Host:
         run in pieces and such a request waits for the piece in flight; with `arrival_wait`
         seconds, where the engine can stop a forward part-way (llama.cpp on plain KV), a step or
         piece with more than that left is stopped for it, throwing away what it did (a sooner
-        first token for such requests, bought with prefill; None: nothing thrown away but a step
-        barely begun).
+        first token for such requests, bought with prefill; None: only a step or piece barely
+        begun, in its first quarter, is stopped).
         A generation's first text reaches its reader as soon as it is sampled, its end as soon
         as it is written, and the pieces between together, at most every `stream_interval`
         seconds (each wake of a reader costs the step in flight; 0: every step's pieces at once).

@@ -10,11 +10,12 @@ step carries; a more urgent class need not be short). For such a request the ste
 one of two ways:
 
 - **Between two pieces.** While such requests keep arriving (one in the last ten seconds), the
-  planner cuts a step's long prompt chunks into pieces of about a quarter of the first-token
-  target (`Planner.pieces`), which run one after another; before each piece the scheduler looks
-  for an arrival that goes first and, if there is one, ends the step there. What ran is kept,
-  nothing is thrown away, and the request waits for the piece in flight at most. Any engine,
-  any memory. (The first such request after a quiet spell waits for the step, as before.)
+  planner runs a step's prompt chunks as pieces of about a quarter of the first-token target
+  (`Planner.pieces`), one after another; before each piece the scheduler looks at the most
+  urgent request that arrived meanwhile (a later, longer arrival does not hide it) and, if it
+  goes first, ends the step there. What ran is kept, nothing is thrown away, and the request
+  waits for the piece in flight at most. Any engine, any memory. (The first such request after
+  a quiet spell finds a step not in pieces, which it waits for unless stopped as below.)
 - **Part-way, when a step or piece has barely begun.** Where the engine can stop a forward
   part-way (llama.cpp on plain KV: it keeps the ubatches it finished), the thread that queues
   the request asks it to when at most INTERRUPT_WITHIN of the step's (or piece's) predicted time
@@ -28,11 +29,14 @@ percentile (a piece lasts 0.3-0.5 s on 2 cores).
 **`arrival_wait`** (a Host option, `--arrival-wait` for serve) trades prefill for that wait:
 where the engine can stop a forward, a step or piece with more than `arrival_wait` seconds of
 its predicted time left is stopped for such a request, whatever it did so far is thrown away,
-and the request waits at most about that long. Each stop throws away up to a piece, so what it
-costs grows with how often such requests arrive: with a chat every second beside three long
-documents on 2 cores, `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s
-to 0.10-0.17 s (an idle engine's first token took 81-96 ms) and made the documents 41% slower
-(14 s of 51 thrown away).
+and the request waits at most about that long (a step or piece barely begun is still stopped,
+as without it). Each stop throws away up to a piece, so what it costs grows with how often such
+requests arrive; after a stop, until one of the stopped prompts is fed again, only what has
+barely begun is stopped, so requests arriving more often than a piece lasts cannot stop every
+piece of a long prompt. With a chat every second beside three long documents on 2 cores,
+`arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.10-0.17 s (an
+idle engine's first token took 81-96 ms) and made the documents 41% slower (14 s of 51 thrown
+away).
 
 The scheduler counts both: the steps ended between pieces (`yielded_steps`), and those stopped
 part-way with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
@@ -78,12 +82,12 @@ def goes_first(arrival: Arrival, first: tuple[Priority, int], tokens: int) -> bo
 
 def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float, wait: float | None = None) -> bool:
     """True when `arrival` should stop `flight` (a step or piece; None: no prompt is being fed)
-    at `now`. `wait` (the policy's arrival_wait): the most such an arrival waits for what is left
-    of it; None: only one barely begun is stopped."""
+    at `now`: when it has barely begun, or (with `wait`, the policy's arrival_wait) when more
+    than `wait` of it is left."""
     if flight is None or not goes_first(arrival, flight.first, flight.tokens):
         return False
     elapsed = now - flight.began
     left = flight.predicted - elapsed
-    if wait is not None:
-        return left > max(wait, MIN_SAVED_SECONDS)
+    if wait is not None and left > max(wait, MIN_SAVED_SECONDS):
+        return True
     return elapsed <= INTERRUPT_WITHIN * flight.predicted and left >= MIN_SAVED_SECONDS

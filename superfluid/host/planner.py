@@ -56,8 +56,8 @@ MIN_PREFILL_CHUNK = 8
 # attention a prompt token costs the same from chunks of 128 up (beside two 1,800-token documents,
 # 2.51 ms in chunks of 128 against 2.47 in 512 early in a prompt, 3.33 against 3.25 late), and
 # 5-11% more in chunks of 64. A chunk is cut into the whole number of pieces nearest its length,
-# so a piece holds 0.75-1.5 of this (a chunk of 1.9 pieces' worth runs as two: on a machine where
-# the first-token target fits 240 tokens a step, steps cut only at two whole pieces were never cut).
+# so a cut piece holds 0.75-1.5 pieces' worth (a chunk of 1.9 runs as two: on a machine where the
+# first-token target fits 240 tokens a step, steps cut only at two whole pieces were never cut).
 MIN_PIECE = 128
 # ...and of at most about this share of the first-token target where the measured costs allow
 # more than MIN_PIECE in it: a request that goes first waits for at most one piece.
@@ -243,26 +243,28 @@ class Planner:
     def pieces(self, requests: list, now: float) -> list[list]:
         """The step's (lane, StepRequest) pairs as the sub-steps the scheduler runs one after
         another. While requests that go first keep arriving (one in the last RECENT_ARRIVALS
-        seconds before `now`), every prompt chunk of half a piece or more runs as pieces of its
-        own: a piece is about MIN_PIECE tokens or more (PIECE_SHARE of the first-token target
-        where the costs fit more), a chunk is cut into the whole number of pieces nearest its
-        length (one under one and a half pieces' worth is one piece), and every piece but a
-        chunk's last asks for no logits. The first sub-step carries the decode tokens, the
-        shorter chunks and the first piece; every later piece is a sub-step of its own, in the
-        plan's order (the most urgent prompt's pieces first). Between two sub-steps the step can
-        stop for a request that goes first, which then waits for one piece at most instead of
-        the whole step, and nothing already run is lost. Where the engine runs each chunk of 64
-        tokens or more in a forward of its own (llama.cpp's CPU flash attention), a step whose
-        chunks are all under a piece costs no forward more for it (two agents' chunks of 111 and
-        100 tokens had run as one sub-step of a whole second, which a chat waited for). No
-        target, or no such request lately: one sub-step, as planned."""
+        seconds before `now`), prompt chunks run as pieces: a piece is about MIN_PIECE tokens or
+        more (PIECE_SHARE of the first-token target where the costs fit more), a chunk of one
+        and a half pieces' worth or more is cut into the whole number of pieces nearest its
+        length, and every piece but a chunk's last asks for no logits. Where the engine runs each
+        chunk of 64 tokens or more in a forward of its own (`chunks_apart`: llama.cpp's CPU
+        flash attention), every chunk of half a piece or more is a piece of its own too, which
+        costs no forward more (two agents' chunks of 111 and 100 tokens had run as one sub-step
+        of a whole second, which a chat waited for); elsewhere one forward carries them all, and
+        they stay in the first sub-step. The first sub-step carries the decode tokens, the chunks
+        not cut and the first piece; every later piece is a sub-step of its own, in the plan's
+        order (the most urgent prompt's pieces first). Between two sub-steps the step can stop
+        for a request that goes first, which then waits for one piece at most instead of the
+        whole step, and nothing already run is lost. No target, or no such request lately: one
+        sub-step, as planned."""
         recent = self.went_first_at is not None and now - self.went_first_at <= RECENT_ARRIVALS
         if self.policy.first_token_target is None or not recent:
             return [requests]
         size = max(MIN_PIECE, self.costs.tokens_within(PIECE_SHARE * self.policy.first_token_target) or 0)
+        alone = 0.5 if self.descriptor.packing.chunks_apart else 1.5  # pieces' worth that runs apart
         first, later, opened = [], [], False
         for live, request in requests:
-            if 2 * len(request.tokens) < size or request.logits == "all":  # (rows of every token: not cut)
+            if len(request.tokens) < alone * size or request.logits == "all":  # (rows of every token: not cut)
                 first.append((live, request))
                 continue
             tokens, end = request.tokens, len(request.tokens)

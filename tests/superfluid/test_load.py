@@ -23,7 +23,7 @@ from superfluid.host import planner, scheduler
 from superfluid.host.churn import Churn
 from superfluid.host.host import _policy
 from superfluid.host.errors import Overloaded
-from superfluid.host.interruption import Arrival, StepInFlight, goes_first, worth_interrupting
+from superfluid.host.interruption import Arrival, StepInFlight, worth_interrupting
 from superfluid.host.request import GenerateRequest, Priority
 from superfluid.host.sampling import SamplingError
 from tests.cellengine import CellEngine
@@ -812,23 +812,28 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
     # first), on an engine that can stop a forward. A second short chat arrives 0.3 s into a
     # piece predicted to last 0.665 s: past its first quarter, so without a wait the piece runs
     # on and the chat goes after it; with arrival_wait 0.1 s (0.365 s left) the piece is stopped,
-    # having fed nothing, the chat goes next, and the piece is fed again after it
+    # having fed nothing, and the chat goes next. A third arrives 0.3 s into the piece fed again
+    # after it: that one is not stopped (no piece of the long prompt has run since the stop), so
+    # chats arriving more often than a piece lasts cannot stop every piece
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=wait,
                              engine_class=StoppingArrivalsCellEngine)
     on_simulated_time(monkeypatch, engine)
-    first, other = waiting_session(host, prompt(9, 20)), waiting_session(host, prompt(10, 20))
+    chats = [waiting_session(host, prompt(9 + i, 20)) for i in range(3)]
     queued, arrived_in = [], []
+
+    def chat(i):
+        queued.append(host.submit(host.commands.generate, chats[i].id, GenerateRequest.of(max_tokens=2),
+                                  arrival=Arrival(Priority.DEFAULT, 20)))
 
     def arrive(requests):
         fed = sum(len(request.tokens) for request in requests)
         if not queued and len(engine.steps) == 2:  # the long prompt's second 400-token step
-            queued.append(host.submit(host.commands.generate, first.id, GenerateRequest.of(max_tokens=2),
-                                      arrival=Arrival(Priority.DEFAULT, 20)))
-        elif len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]]:  # a step's second piece
+            chat(0)
+        elif ((len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]])  # a step's second piece
+              or (len(queued) == 2 and fed > 64 and sizes(engine.steps[-1:]) == [[20]])):  # the piece after chat 2
             engine.now += 0.3
-            queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
-                                      arrival=Arrival(Priority.DEFAULT, 20)))
             arrived_in.append(len(engine.steps))
+            chat(len(queued))
 
     engine.arrive = arrive
     _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
@@ -837,18 +842,55 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
         future.result().collect()
     steps = sizes(engine.steps)
     # the first chat stops the 400-token step as it begins (barely begun, with or without a wait)
-    assert steps[2] == [20]
+    assert steps[2] == [20] and len(arrived_in) == 2
     stats = host.stats()
-    if wait is not None:  # the piece it arrived in fed nothing: the chat is the next step fed
+    if wait is not None:  # the piece the second arrived in fed nothing: that chat is the next step fed
         assert steps[arrived_in[0]] == [20] and steps[arrived_in[0] - 1] == [133]
-        assert engine.interrupts == 2 and stats.interrupted_steps == 2 and stats.yielded_steps == 0
+        assert engine.interrupts == 2 and stats.interrupted_steps == 2
     else:  # the piece runs to its end, and the step ends after it
         assert steps[arrived_in[0]] == [133] and steps[arrived_in[0] + 1] == [20]
-        assert engine.interrupts == 1 and stats.interrupted_steps == 1 and stats.yielded_steps == 1
-    assert stats.prefill_tokens == 3000 + 20 + 20  # nothing fed twice
+        assert engine.interrupts == 1 and stats.interrupted_steps == 1
+    # the third: its piece (beside the second chat's decode token) runs to its end either way,
+    # and the step ends after it
+    assert steps[arrived_in[1]][-1] > 64 and steps[arrived_in[1] + 1] == [20]
+    assert stats.prefill_tokens == 3000 + 3 * 20  # nothing fed twice
     alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
     _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
     assert again.collect() == output  # the long prompt's reply as without the stops
+
+
+def test_a_short_arrival_is_not_hidden_by_a_longer_one_queued_after_it(cell_host, monkeypatch):
+    # As in the test of pieces above: a chat that goes first arrives at the start of a piece, and
+    # before the piece ends a long request arrives that would not go first. The step still ends
+    # after the piece for the chat (the most urgent arrival since the last look is kept; the
+    # later one used to replace it, and the chat waited for every piece of the step)
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0,
+                             engine_class=ArrivalsCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    first, short, other = (waiting_session(host, prompt(9, 20)), waiting_session(host, prompt(10, 20)),
+                           waiting_session(host, prompt(11, 2000)))
+    queued, arrived_in = [], []
+
+    def arrive(requests):
+        fed = sum(len(request.tokens) for request in requests)
+        if not queued and len(engine.steps) == 2:
+            queued.append(host.submit(host.commands.generate, first.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+        elif len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]]:  # a step's second piece
+            arrived_in.append(len(engine.steps))
+            queued.append(host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+            queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 2000)))
+
+    engine.arrive = arrive
+    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
+    long.collect()
+    for future in queued:
+        future.result().collect()
+    steps = sizes(engine.steps)
+    assert steps[arrived_in[0]] == [133] and steps[arrived_in[0] + 1] == [20]
+    assert host.stats().yielded_steps == 1
 
 
 @pytest.mark.parametrize("arrival", [Arrival(Priority.DEFAULT, 2000), Arrival(Priority.BACKGROUND, 20)],
@@ -880,13 +922,20 @@ def test_an_arrival_that_would_not_go_first_lets_the_step_run(cell_host, monkeyp
 def test_which_arrivals_stop_a_step(elapsed, arrival, expected):
     flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(flight, arrival, 10.0 + elapsed) is expected
-    # with an arrival wait, a step or piece with more than that left stops for any that goes first
-    assert worth_interrupting(flight, arrival, 10.0 + elapsed, wait=0.5) is (
-        goes_first(arrival, flight.first, flight.tokens) and 1.0 - elapsed > 0.5)
-    assert worth_interrupting(flight, arrival, 10.0 + 0.96, wait=0.0) is False  # 0.04 s left: kept
     assert worth_interrupting(None, arrival, 10.0) is False  # no prompt being fed
     short_step = StepInFlight(began=10.0, predicted=0.04, first=(Priority.DEFAULT, 900), tokens=256)
     assert worth_interrupting(short_step, arrival, 10.0) is False  # too little left to save
+
+
+def test_an_arrival_wait_stops_what_has_more_than_it_left_besides_what_has_barely_begun():
+    flight = StepInFlight(began=10.0, predicted=1.0, first=(Priority.DEFAULT, 900), tokens=256)
+    chat = Arrival(Priority.DEFAULT, 20)
+    assert worth_interrupting(flight, chat, 10.3, wait=0.5) is True  # 0.7 s left
+    assert worth_interrupting(flight, chat, 10.3) is False  # (past its first quarter: no wait, no stop)
+    assert worth_interrupting(flight, chat, 10.6, wait=0.5) is False  # 0.4 s left
+    assert worth_interrupting(flight, chat, 10.1, wait=2.0) is True  # barely begun, as without a wait
+    assert worth_interrupting(flight, chat, 10.96, wait=0.0) is False  # 0.04 s left: too little to save
+    assert worth_interrupting(flight, Arrival(Priority.DEFAULT, 900), 10.3, wait=0.5) is False  # does not go first
 
 
 def test_a_stream_of_short_prompts_cannot_hold_the_long_ones_back(cell_host):

@@ -1,6 +1,8 @@
 """The step planner's cost model: steps measured by the tokens they carried predict how many
 tokens fit in a target, never more than the measurements support."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from engines.base import StepRequest
@@ -69,10 +71,12 @@ def test_a_step_is_bounded_by_the_first_token_target_and_by_the_decode_step_targ
     assert step_seconds(0.2, None, streaming=True) == 0.2
 
 
-def planner_of(first_token_target: float | None) -> Planner:
-    """A planner whose pieces() reads only its targets, costs and arrivals (lanes are opaque to
-    it), a request that went first having arrived at 100 s."""
-    planner = Planner(Policy(first_token_target=first_token_target), None, True, urgency=lambda live, tokens: ())
+def planner_of(first_token_target: float | None, chunks_apart: bool = True) -> Planner:
+    """A planner whose pieces() reads only its targets, costs, arrivals and whether the engine
+    runs prompt chunks apart (lanes are opaque to it), a request that went first having arrived
+    at 100 s."""
+    engine = SimpleNamespace(packing=SimpleNamespace(chunks_apart=chunks_apart))
+    planner = Planner(Policy(first_token_target=first_token_target), engine, True, urgency=lambda live, tokens: ())
     planner.arrival_went_first(100.0)
     return planner
 
@@ -91,9 +95,11 @@ def test_a_step_runs_its_long_chunks_in_pieces_the_first_beside_the_decode_token
                              [("a", 128, "none")], [("b", 150, "none")], [("b", 150, "last")]]
     for lane, request in (first, second):  # each chunk's tokens, in order, once
         assert [t for step in steps for name, piece in step if name == lane for t in piece.tokens] == request.tokens
-    # chunks under a piece each: one piece each (they would run in forwards of their own anyway)
+    # chunks under a piece each: one piece each where they run in forwards of their own anyway,
+    # else together in the first sub-step (one forward carries them)
     two = [decode, ("a", StepRequest(2, list(range(111)), "none")), ("b", StepRequest(3, list(range(100))))]
     assert shapes(planner.pieces(two, 101.0)) == [[("d", 1, "last"), ("a", 111, "none")], [("b", 100, "last")]]
+    assert planner_of(1.0, chunks_apart=False).pieces(two, 101.0) == [two]
     small = [decode, short, ("c", StepRequest(4, list(range(63))))]  # under half a piece: not apart
     assert planner.pieces(small, 101.0) == [small]
 
@@ -112,7 +118,8 @@ def test_pieces_grow_to_a_quarter_of_the_first_token_target_where_the_costs_fit_
 def test_without_a_first_token_target_or_a_request_going_first_lately_a_step_is_one_piece():
     step = [("a", StepRequest(0, list(range(2000))))]
     assert planner_of(None).pieces(step, 101.0) == [step]
-    assert len(planner_of(1.0).pieces(step, 100.0 + RECENT_ARRIVALS)) == 16  # 15.6 pieces of 128: 16, until RECENT_ARRIVALS after
+    # 15.6 pieces' worth of 128 tokens: 16 pieces, until RECENT_ARRIVALS after the arrival
+    assert len(planner_of(1.0).pieces(step, 100.0 + RECENT_ARRIVALS)) == 16
     assert planner_of(1.0).pieces(step, 100.1 + RECENT_ARRIVALS) == [step]
     quiet = Planner(Policy(), None, True, urgency=lambda live, tokens: ())
     assert quiet.pieces(step, 0.0) == [step]  # none ever went first
