@@ -734,6 +734,18 @@ def sizes(steps) -> list[list[int]]:
     return [[n for _, n in step] for step in steps]
 
 
+def run_long_prompt(host, engine, arrive, queued: list) -> tuple[list, list[list[int]]]:
+    """A 3,000-token prompt's generation on `host`, `arrive(requests)` called as each of
+    `engine`'s steps begins; then every generation `arrive` queued (futures in `queued`) read to
+    its end. The long prompt's tokens, and the sizes each step fed."""
+    engine.arrive = arrive
+    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
+    output = long.collect()
+    for future in queued:
+        future.result().collect()
+    return output, sizes(engine.steps)
+
+
 @pytest.mark.parametrize("second", [Arrival(Priority.DEFAULT, 20), Arrival(Priority.DEFAULT, 2000),
                                     Arrival(Priority.BACKGROUND, 20)],
                          ids=["a short prompt", "a longer prompt", "a less urgent class"])
@@ -758,12 +770,7 @@ def test_while_short_requests_arrive_a_step_runs_in_pieces_and_stops_between_two
             queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
                                       arrival=second))
 
-    engine.arrive = arrive
-    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
-    output = long.collect()
-    for future in queued:
-        future.result().collect()
-    steps = sizes(engine.steps)
+    output, steps = run_long_prompt(host, engine, arrive, queued)
     # no pieces before a request went first: the first chat asks to stop the ~400-token step in
     # flight (which this engine cannot), then waits for it; the second, where it goes first, asks
     # to stop the piece it arrives in as that begins (nor can it), then waits for that piece
@@ -835,12 +842,7 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
             arrived_in.append(len(engine.steps))
             chat(len(queued))
 
-    engine.arrive = arrive
-    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
-    output = long.collect()
-    for future in queued:
-        future.result().collect()
-    steps = sizes(engine.steps)
+    output, steps = run_long_prompt(host, engine, arrive, queued)
     # the first chat stops the 400-token step as it begins (barely begun, with or without a wait)
     assert steps[2] == [20] and len(arrived_in) == 2
     stats = host.stats()
@@ -883,12 +885,7 @@ def test_a_short_arrival_is_not_hidden_by_a_longer_one_queued_after_it(cell_host
             queued.append(host.submit(host.commands.generate, other.id, GenerateRequest.of(max_tokens=2),
                                       arrival=Arrival(Priority.DEFAULT, 2000)))
 
-    engine.arrive = arrive
-    _, (long,) = start(host, [prompt(0, 3000)], max_tokens=4)
-    long.collect()
-    for future in queued:
-        future.result().collect()
-    steps = sizes(engine.steps)
+    _, steps = run_long_prompt(host, engine, arrive, queued)
     assert steps[arrived_in[0]] == [133] and steps[arrived_in[0] + 1] == [20]
     assert host.stats().yielded_steps == 1
 
