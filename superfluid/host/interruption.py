@@ -44,6 +44,7 @@ part-way with the seconds they had run (`interrupted_steps`, `interrupted_second
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 from superfluid.host.request import Priority
@@ -91,3 +92,46 @@ def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float
     if wait is not None and left > max(wait, MIN_SAVED_SECONDS):
         return True
     return elapsed <= INTERRUPT_WITHIN * flight.predicted and left >= MIN_SAVED_SECONDS
+
+
+class Arrivals:
+    """What the scheduler knows of arrivals between two looks, and of its last stop: the most
+    urgent request queued since it last looked (hurry() runs on other threads: a lock, so none
+    is lost, and a later, longer arrival does not hide a chat), and the lanes whose prompts were
+    in the last step or piece stopped part-way (until one of them is fed again, arrival_wait
+    pauses, so requests arriving more often than a piece lasts cannot stop every piece)."""
+
+    def __init__(self) -> None:
+        """Nothing heard, nothing stopped."""
+        self._lock = threading.Lock()
+        self._arrived: Arrival | None = None
+        self._stopped: frozenset[int] = frozenset()
+
+    def heard(self, arrival: Arrival) -> None:
+        """`arrival` was queued (any thread): kept if it is the most urgent since the last look."""
+        with self._lock:
+            if self._arrived is None or (arrival.priority, arrival.prompt_tokens) < (
+                    self._arrived.priority, self._arrived.prompt_tokens):
+                self._arrived = arrival
+
+    def take(self) -> Arrival | None:
+        """The most urgent arrival since the last look (None: none), forgotten here."""
+        with self._lock:
+            arrived, self._arrived = self._arrived, None
+        return arrived
+
+    def wait(self, arrival_wait: float | None) -> float | None:
+        """The arrival wait for the step or piece in flight: `arrival_wait`, unless paused."""
+        return None if self._stopped else arrival_wait
+
+    def stopped(self, requests: list) -> None:
+        """The step or piece of these (lane, StepRequest) pairs was stopped part-way."""
+        self._stopped = frozenset(request.seq for _, request in requests if len(request.tokens) > 1)
+
+    def ran(self, requests: list, lanes) -> None:
+        """A step or piece of these pairs ran to its end, beside the engine's `lanes`: the pause
+        ends once a stopped prompt was fed, or none of them waits to be."""
+        if self._stopped and (any(request.seq in self._stopped and len(request.tokens) > 1 for _, request in requests)
+                              or not any(live.seq in self._stopped and live.job is not None and live.pending > 1
+                                         for live in lanes)):
+            self._stopped = frozenset()

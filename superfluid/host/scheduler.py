@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from superfluid.host.churn import Churn
 from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.handoff import Handoff
-from superfluid.host.interruption import Arrival, StepInFlight, goes_first, worth_interrupting
+from superfluid.host.interruption import Arrival, Arrivals, StepInFlight, goes_first, worth_interrupting
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import LogWriteFailed, SessionLog
@@ -96,11 +95,7 @@ class Scheduler:
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
         self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
-        self._arrived: Arrival | None = None  # the most urgent request hurry() heard of since the last look
-        self._arrivals = threading.Lock()  # hurry() runs on other threads: no arrival lost or overwritten
-        # the lanes whose prompt chunks were in the last step or piece stopped part-way: until one
-        # of them is fed again, no arrival_wait (only what has barely begun is stopped)
-        self._stopped: frozenset[int] = frozenset()
+        self.arrivals = Arrivals()  # the most urgent arrival since the last look, and the last stop
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
@@ -395,31 +390,13 @@ class Scheduler:
         is stopped (interruption.py); else a step in pieces ends after the piece in flight, and
         between steps the next one looks at the request before it starts. With the policy's
         arrival_wait, any step or piece with more than that left is stopped."""
-        with self._arrivals:
-            # the most urgent since the last look: an agent's long prompt arriving after a chat
-            # must not hide the chat from the next piece boundary
-            if self._arrived is None or (arrival.priority, arrival.prompt_tokens) < (
-                    self._arrived.priority, self._arrived.prompt_tokens):
-                self._arrived = arrival
+        self.arrivals.heard(arrival)
         flight, now = self.in_flight, perf_counter()
         if flight is not None and goes_first(arrival, flight.first, flight.tokens):
             self.planner.arrival_went_first(now)  # the next steps are cut into pieces (planner.py)
             # (else a piece ends soon, and the step ends after it)
-            if worth_interrupting(flight, arrival, now, self._wait()):
+            if worth_interrupting(flight, arrival, now, self.arrivals.wait(self.policy.arrival_wait)):
                 self.engine.interrupt()
-
-    def _wait(self) -> float | None:
-        """The arrival wait for the step or piece in flight: the policy's, unless a step or piece
-        was stopped part-way and none of its prompts has been fed since (then only one barely
-        begun is stopped, so that requests arriving more often than a piece lasts cannot stop
-        every piece of a long prompt)."""
-        return None if self._stopped else self.policy.arrival_wait
-
-    def _take_arrival(self) -> Arrival | None:
-        """The most urgent request queued since the last look (None: none), forgotten here."""
-        with self._arrivals:
-            arrived, self._arrived = self._arrived, None
-        return arrived
 
     def _step(self, requests: list) -> None:
         """Run the planned step as the planner's pieces (planner.py), one after another; before
@@ -432,7 +409,7 @@ class Scheduler:
                 piece = [(live, request) for live, request in piece if live.job is not None and live.seq == request.seq]
                 rest = [pair for later in pieces[index:] for pair in later]
                 prompts = [(live.job.priority, live.pending) for live, _ in rest if live.job is not None]
-                arrived = self._take_arrival()
+                arrived = self.arrivals.take()
                 if arrived is not None and prompts and goes_first(arrived, min(prompts),
                                                                   sum(len(request.tokens) for _, request in rest)):
                     self.counters.yielded_steps += 1
@@ -447,8 +424,9 @@ class Scheduler:
             return True
         began = perf_counter()
         self.in_flight = self._in_flight(requests, began)
-        arrived = self._take_arrival()
-        if arrived is not None and worth_interrupting(self.in_flight, arrived, began, self._wait()):
+        arrived = self.arrivals.take()
+        if arrived is not None and worth_interrupting(self.in_flight, arrived, began,
+                                                      self.arrivals.wait(self.policy.arrival_wait)):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.planner.arrival_went_first(began)
@@ -469,7 +447,7 @@ class Scheduler:
             self.masks.discard()
             self.counters.interrupted_steps += 1
             self.counters.interrupted_seconds += perf_counter() - began
-            self._stopped = frozenset(request.seq for _, request in requests if len(request.tokens) > 1)
+            self.arrivals.stopped(requests)
             self.planner.step_dropped()
             for live, _ in requests:
                 self.kv.resync(live)
@@ -477,10 +455,7 @@ class Scheduler:
         finally:
             self.in_flight = None
         self._measure(requests, perf_counter() - began)
-        if self._stopped and (any(request.seq in self._stopped and len(request.tokens) > 1 for _, request in requests)
-                              or not any(live.seq in self._stopped and live.job is not None and live.pending > 1
-                                         for live in self.kv.lanes)):
-            self._stopped = frozenset()  # a stopped prompt was fed, or none waits to be: arrival_wait again
+        self.arrivals.ran(requests, self.kv.lanes)
         # The step's records go to the log in one write, and only then do readers hear of its
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []
