@@ -228,6 +228,10 @@ class Engine(Protocol):
         each sequence holding what the step finished. The one call any thread may make. False
         where this engine cannot stop a step part-way: the step then runs to its end."""
 
+    def clear_interrupt(self) -> None:
+        """Take back an interrupt() that no step has taken (it would stop the next step at its
+        first node). Any thread may call this."""
+
     def snapshot(self, seq: int, tokens: Sequence[int]) -> Snapshot:
         """`seq`'s state (covering `tokens`, one per position it holds), ready to be written into
         memory the host reserves for it."""

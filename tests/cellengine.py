@@ -16,11 +16,12 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
 from engines.base import Descriptor, EngineStats, Packing, Snapshot, StepRequest, TokenVocabulary
-from engines.errors import EngineError, NoRoom
+from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Device, EntryView, KVArray, pricing
 
 MASK = (1 << 32) - 1
@@ -47,6 +48,7 @@ class CellEngine:
         self._cell_ids = itertools.count()
         self._free_seqs = list(range(max_sequences))
         self.steps: list[list[tuple[int, int]]] = []  # each step's (sequence, tokens fed)
+        self.kept = 0  # tokens that steps stopped part-way kept (stop_part_way)
         self.peak_cells = 0
         model_kv = pricing.uniform(1, 1, 4, "f32")
         self._descriptor = Descriptor(
@@ -139,6 +141,9 @@ class CellEngine:
         """False: a cell engine's step is instant and never stopped part-way."""
         return False
 
+    def clear_interrupt(self) -> None:
+        """Nothing to take back."""
+
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """Append each request's tokens; NoRoom (changing nothing) when the cells run out."""
         needed = sum(len(r.tokens) for r in requests)
@@ -155,6 +160,18 @@ class CellEngine:
             last = self._hash[self._seqs[request.seq][-1]]
             results.append(np.random.default_rng(last).standard_normal((1, self.vocab)).astype(np.float32))
         return results
+
+    def stop_part_way(self, requests: Sequence[StepRequest], done: float, ubatch: int) -> NoReturn:
+        """Stop a step `done` (a share, 0-1) of the way through, as llama.cpp stops a forward: it
+        keeps the whole ubatches of `ubatch` tokens (the step's tokens in order) that finished by
+        then, drops the rest, and raises Interrupted. The tokens kept are added to `kept`."""
+        keep = int(sum(len(r.tokens) for r in requests) * done) // ubatch * ubatch
+        for request in requests:
+            part = request.tokens[:keep]
+            self._write(request.seq, part)
+            self.kept += len(part)
+            keep -= len(part)
+        raise Interrupted("stopped for a request that goes first")
 
     # ----------------------------------------------------------------------------- pool
 

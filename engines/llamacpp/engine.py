@@ -336,6 +336,11 @@ class LlamaCppEngine(Adapter):
         self._interrupt.set()
         return True
 
+    def clear_interrupt(self) -> None:
+        """Lower the flag interrupt() raised, if no forward has taken it yet."""
+        if self._interrupt is not None:
+            self._interrupt.clear()
+
     def _decode(self, chunk: list[tuple], results: list[list[np.ndarray]]) -> None:
         n = len(chunk)
         indices, seqs, tokens, positions, wants = zip(*chunk)

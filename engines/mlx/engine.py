@@ -280,6 +280,9 @@ class MlxEngine(Adapter):
         """False: MLX evaluates a step's graph to its end (a step is never stopped part-way)."""
         return False
 
+    def clear_interrupt(self) -> None:
+        """Nothing to take back: interrupt() asks nothing of MLX."""
+
     def step(self, requests: Sequence[StepRequest]) -> list[np.ndarray | None]:
         """One token each for several sequences decodes in one batched forward; anything else runs
         request by request (prefill in chunks of prefill_chunk tokens). Per request, its logits

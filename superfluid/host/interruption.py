@@ -97,15 +97,44 @@ def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float
 class Arrivals:
     """What the scheduler knows of arrivals between two looks, and of its last stop: the most
     urgent request queued since it last looked (hurry() runs on other threads: a lock, so none
-    is lost, and a later, longer arrival does not hide a chat), and the lanes whose prompts were
-    in the last step or piece stopped part-way (until one of them is fed again, arrival_wait
-    pauses, so requests arriving more often than a piece lasts cannot stop every piece)."""
+    is lost, and a later, longer arrival does not hide a chat), the step or piece in flight
+    (under the same lock, so an interrupt asked for it never lands after it ended, where it
+    would stop the next one), and the lanes whose prompts were in the last step or piece
+    stopped part-way (until one of them is fed again, arrival_wait pauses, so requests
+    arriving more often than a piece lasts cannot stop every piece)."""
 
     def __init__(self) -> None:
-        """Nothing heard, nothing stopped."""
+        """Nothing heard, nothing in flight, nothing stopped."""
         self._lock = threading.Lock()
         self._arrived: Arrival | None = None
+        self._flight: StepInFlight | None = None
         self._stopped: frozenset[int] = frozenset()
+
+    @property
+    def in_flight(self) -> StepInFlight | None:
+        """The step or piece the engine runs now (None: none, or it feeds no prompt)."""
+        return self._flight
+
+    def begin(self, flight: StepInFlight | None) -> None:
+        """A step or piece is about to run (the scheduler thread)."""
+        with self._lock:
+            self._flight = flight
+
+    def end(self, engine) -> None:
+        """The step or piece in flight ended, or did not run: an interrupt asked for it that the
+        engine did not take (one asked after its last node) is taken back."""
+        with self._lock:
+            if self._flight is not None:
+                self._flight = None
+                engine.clear_interrupt()
+
+    def interrupt_for(self, arrival: Arrival, now: float, arrival_wait: float | None, engine) -> bool:
+        """Stop the step or piece in flight for `arrival` where it is worth it (any thread).
+        True where the engine was asked to."""
+        with self._lock:
+            if worth_interrupting(self._flight, arrival, now, self.wait(arrival_wait)):
+                return engine.interrupt()
+        return False
 
     def heard(self, arrival: Arrival) -> None:
         """`arrival` was queued (any thread): kept if it is the most urgent since the last look."""

@@ -94,8 +94,7 @@ class Scheduler:
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
-        self.in_flight: StepInFlight | None = None  # the step running now, for hurry() on other threads
-        self.arrivals = Arrivals()  # the most urgent arrival since the last look, and the last stop
+        self.arrivals = Arrivals()  # the most urgent arrival since the last look, the step in flight, the last stop
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
@@ -391,12 +390,11 @@ class Scheduler:
         between steps the next one looks at the request before it starts. With the policy's
         arrival_wait, any step or piece with more than that left is stopped."""
         self.arrivals.heard(arrival)
-        flight, now = self.in_flight, perf_counter()
+        flight, now = self.arrivals.in_flight, perf_counter()
         if flight is not None and goes_first(arrival, flight.first, flight.tokens):
             self.planner.arrival_went_first(now)  # the next steps are cut into pieces (planner.py)
             # (else a piece ends soon, and the step ends after it)
-            if worth_interrupting(flight, arrival, now, self.arrivals.wait(self.policy.arrival_wait)):
-                self.engine.interrupt()
+            self.arrivals.interrupt_for(arrival, now, self.policy.arrival_wait, self.engine)
 
     def _step(self, requests: list) -> None:
         """Run the planned step as the planner's pieces (planner.py), one after another; before
@@ -423,14 +421,15 @@ class Scheduler:
         if not requests:
             return True
         began = perf_counter()
-        self.in_flight = self._in_flight(requests, began)
+        flight = self._in_flight(requests, began)
+        self.arrivals.begin(flight)
         arrived = self.arrivals.take()
-        if arrived is not None and worth_interrupting(self.in_flight, arrived, began,
+        if arrived is not None and worth_interrupting(flight, arrived, began,
                                                       self.arrivals.wait(self.policy.arrival_wait)):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.planner.arrival_went_first(began)
-            self.in_flight = None
+            self.arrivals.end(self.engine)
             self.planner.step_dropped()
             return False
         if self.handoff.holding() and any(len(request.tokens) > 1 for _, request in requests):
@@ -450,10 +449,12 @@ class Scheduler:
             self.arrivals.stopped(requests)
             self.planner.step_dropped()
             for live, _ in requests:
+                held = live.kv
                 self.kv.resync(live)
+                self._count_fed(live, live.kv - held)  # llama.cpp keeps the ubatches it finished
             return False
         finally:
-            self.in_flight = None
+            self.arrivals.end(self.engine)
         self._measure(requests, perf_counter() - began)
         self.arrivals.ran(requests, self.kv.lanes)
         # The step's records go to the log in one write, and only then do readers hear of its
@@ -487,17 +488,23 @@ class Scheduler:
                     self.finish(live, "error", failed)
         return [(generation, piece) for generation, piece in self._outbox if generation.session_id not in touched]
 
+    def _count_fed(self, live: Live, fed: int) -> None:
+        """Count `fed` tokens a step put in `live`'s cells: a decode token, or prompt."""
+        if fed <= 0 or live.job is None:
+            return
+        self.fed += fed
+        if fed == 1 and live.job.produced:
+            self.counters.decode_tokens += 1
+        else:
+            self.counters.prefill_tokens += fed
+            live.job.prefilled += fed
+
     def _commit_step(self, requests: list, results: list) -> None:
         """Count what a step fed, sample and commit each lane's next token, checkpoint."""
         for (live, request), logits in zip(requests, results):
             fed = len(request.tokens)
             live.kv += fed
-            self.fed += fed
-            if fed == 1 and live.job.produced:
-                self.counters.decode_tokens += 1
-            else:
-                self.counters.prefill_tokens += fed
-                live.job.prefilled += fed
+            self._count_fed(live, fed)
             if request.logits == "none":
                 if self._needs_checkpoint(live):
                     self.kv.park(live, keep_lane=True)  # a checkpoint inside a long prompt

@@ -386,6 +386,17 @@ def test_an_interrupted_step_keeps_what_it_finished_and_the_next_step_runs(engin
     assert engine.length(seq) == len(tokens)
 
 
+def test_an_interrupt_taken_back_before_a_step_lets_it_run(engine_for):
+    """clear_interrupt() lowers a flag no forward took: the next step runs to its end."""
+    engine = engine_for("f32", ubatch_size=16, batch_size=64)
+    tokens = engine.tokenize(PROMPT * 3)
+    seq = engine.new_sequence()
+    assert engine.interrupt() is True
+    engine.clear_interrupt()
+    engine.step([StepRequest(seq, tokens, "last")])
+    assert engine.length(seq) == len(tokens)
+
+
 def test_an_interrupt_from_another_thread_leaves_whole_ubatches(engine_for):
     """Stopped mid-step from another thread, a long prompt keeps the ubatches that finished
     (a multiple of ubatch_size) and goes on from there to the same logits; a step that ended
@@ -407,5 +418,5 @@ def test_an_interrupt_from_another_thread_leaves_whole_ubatches(engine_for):
     fresh = engine_for("f32", ubatch_size=16, batch_size=512)
     other = fresh.new_sequence()
     whole = fresh.step([StepRequest(other, tokens + [7], "last")])[0][0]
-    engine._interrupt.clear()  # an interrupt that came after the step would stop the next one
+    engine.clear_interrupt()  # an interrupt that came after the step would stop the next one
     np.testing.assert_allclose(engine.step([StepRequest(seq, [7], "last")])[0][0], whole, rtol=0, atol=1e-4)

@@ -667,6 +667,10 @@ class StoppableCellEngine(CellEngine):
         self._go.set()
         return True
 
+    def clear_interrupt(self) -> None:
+        """Take back an interrupt() the held step did not take."""
+        self.interrupted.clear()
+
     def release(self) -> None:
         """Let the held step run to its end."""
         self._go.set()
@@ -791,24 +795,34 @@ def test_while_short_requests_arrive_a_step_runs_in_pieces_and_stops_between_two
 
 class StoppingArrivalsCellEngine(ArrivalsCellEngine):
     """An ArrivalsCellEngine that can be stopped: interrupt() during `arrive` makes the step
-    raise Interrupted having fed nothing (as llama.cpp stops a forward in its only ubatch)."""
+    raise Interrupted, keeping the whole ubatches of 32 tokens that finished in the simulated
+    time `arrive` let pass (as llama.cpp keeps them)."""
+
+    UBATCH = 32
 
     def __init__(self, cells: int, **options) -> None:
         super().__init__(cells, **options)
         self.stop = False
 
     def interrupt(self) -> bool:
-        """Counted; the step in flight stops."""
+        """Counted; the step in flight stops (or else the next one, as in llama.cpp)."""
         self.interrupts += 1
         self.stop = True
         return True
 
+    def clear_interrupt(self) -> None:
+        """Take back an interrupt() no step took."""
+        self.stop = False
+
     def step(self, requests):
-        """Call `arrive`; stopped there: Interrupted, nothing fed."""
+        """Call `arrive`; stopped there: Interrupted, with what finished meanwhile kept."""
+        began = self.now
         self.arrive(requests)
         if self.stop:
             self.stop = False
-            raise Interrupted("stopped for a request that goes first")
+            fixed, per_token = self.step_seconds
+            predicted = fixed + per_token * sum(len(request.tokens) for request in requests)
+            self.stop_part_way(requests, min(1.0, (self.now - began) / predicted), self.UBATCH)
         return CellEngine.step(self, requests)
 
 
@@ -855,10 +869,57 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
     # the third: its piece (beside the second chat's decode token) runs to its end either way,
     # and the step ends after it
     assert steps[arrived_in[1]][-1] > 64 and steps[arrived_in[1] + 1] == [20]
-    assert stats.prefill_tokens == 3000 + 3 * 20  # nothing fed twice
+    # the stopped piece kept its whole ubatches that finished in those 0.3 s: counted once, not fed again
+    assert engine.kept == (32 if wait is not None else 0)
+    assert stats.prefill_tokens == 3000 + 3 * 20
     alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
     _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
     assert again.collect() == output  # the long prompt's reply as without the stops
+
+
+class LateArrivalsCellEngine(StoppingArrivalsCellEngine):
+    """A StoppingArrivalsCellEngine that also calls `late(requests)` once a step has fed
+    everything, before it returns (an arrival after a forward's last node), with the simulated
+    clock back where the step began: its prediction says it has barely begun."""
+
+    def __init__(self, cells: int, **options) -> None:
+        super().__init__(cells, **options)
+        self.late = lambda requests: None
+
+    def step(self, requests):
+        """Step as a StoppingArrivalsCellEngine, then call `late` at the step's start time."""
+        began = self.now
+        results = super().step(requests)
+        ran, self.now = self.now, began
+        self.late(requests)
+        self.now = ran
+        return results
+
+
+def test_an_interrupt_asked_after_a_step_ended_does_not_stop_the_next_one(cell_host, monkeypatch):
+    # A chat that goes first is queued as the long prompt's step ends, while the step still looks
+    # in flight and barely begun (a forward far quicker than predicted): the engine is asked to
+    # stop it, too late. The ask is taken back as the step ends, and the next step (the chat's
+    # prompt) runs; the ask used to stay raised and stop that step at its first node
+    host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0,
+                             engine_class=LateArrivalsCellEngine)
+    on_simulated_time(monkeypatch, engine)
+    short = waiting_session(host, prompt(9, 20))
+    queued = []
+
+    def late(requests):
+        if not queued and len(engine.steps) == 2:  # the long prompt's second step
+            queued.append(host.submit(host.commands.generate, short.id, GenerateRequest.of(max_tokens=2),
+                                      arrival=Arrival(Priority.DEFAULT, 20)))
+
+    engine.late = late
+    output, steps = run_long_prompt(host, engine, lambda requests: None, queued)
+    assert engine.interrupts == 1 and steps[2] == [20]
+    stats = host.stats()
+    assert stats.interrupted_steps == 0 and stats.prefill_tokens == 3000 + 20
+    alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
+    _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
+    assert again.collect() == output
 
 
 def test_a_short_arrival_is_not_hidden_by_a_longer_one_queued_after_it(cell_host, monkeypatch):
