@@ -28,12 +28,12 @@ moment waits about a quarter of a piece by the median and nearly three quarters 
 percentile (a piece lasts 0.3-0.5 s on 2 cores).
 **`arrival_wait`** (a Host option, `--arrival-wait` for serve) trades prefill for that wait:
 where the engine can stop a forward, a step or piece with more than `arrival_wait` seconds of
-its predicted time left is stopped for such a request, whatever it did so far is thrown away,
-and the request waits at most about that long (a step or piece barely begun is still stopped,
+its predicted time left is stopped for such a request, what it did so far is thrown away
+(llama.cpp keeps the ubatches it finished, but a piece is one ubatch), and the request waits at most about that long (a step or piece barely begun is still stopped,
 as without it). Each stop throws away up to a piece, so what it costs grows with how often such
-requests arrive; after a stop, until one of the stopped prompts is fed again, only what has
-barely begun is stopped, so requests arriving more often than a piece lasts cannot stop every
-piece of a long prompt. With a chat every second beside three long documents on 2 cores,
+requests arrive; while the stops of the last 4 s threw away a quarter of them or more, only
+what has barely begun is stopped, so requests arriving more often than a piece lasts cannot
+stop every piece of a long prompt. With a chat every second beside three long documents on 2 cores,
 `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.10-0.17 s (an
 idle engine's first token took 81-96 ms) and made the documents 41% slower (14 s of 51 thrown
 away).
@@ -53,6 +53,10 @@ from superfluid.host.request import Priority
 INTERRUPT_WITHIN = 0.25
 # ...and only when at least this much of it is left to save.
 MIN_SAVED_SECONDS = 0.05
+# arrival_wait pauses while the stops of the last THROWN_WINDOW seconds threw away this share of
+# them: a long prompt keeps three quarters of the engine's time however often requests arrive.
+THROWN_SHARE = 0.25
+THROWN_WINDOW = 4.0
 
 
 class Arrival(NamedTuple):
@@ -95,20 +99,33 @@ def worth_interrupting(flight: StepInFlight | None, arrival: Arrival, now: float
 
 
 class Arrivals:
-    """What the scheduler knows of arrivals between two looks, and of its last stop: the most
-    urgent request queued since it last looked (hurry() runs on other threads: a lock, so none
-    is lost, and a later, longer arrival does not hide a chat), the step or piece in flight
+    """What the scheduler knows of arrivals between two looks, and of its recent stops: the
+    most urgent request queued since it last looked (hurry() runs on other threads: a lock, so
+    none is lost, and a later, longer arrival does not hide a chat), the step or piece in flight
     (under the same lock, so an interrupt asked for it never lands after it ended, where it
-    would stop the next one), and the lanes whose prompts were in the last step or piece
-    stopped part-way (until one of them is fed again, arrival_wait pauses, so requests
-    arriving more often than a piece lasts cannot stop every piece)."""
+    would stop the next one), and the seconds of work the stops of the last THROWN_WINDOW seconds
+    threw away (past THROWN_SHARE of that window, arrival_wait pauses: requests arriving more
+    often than a piece lasts cannot stop every piece of a long prompt)."""
 
     def __init__(self) -> None:
         """Nothing heard, nothing in flight, nothing stopped."""
         self._lock = threading.Lock()
         self._arrived: Arrival | None = None
         self._flight: StepInFlight | None = None
-        self._stopped: frozenset[int] = frozenset()
+        self._thrown: tuple[tuple[float, float], ...] = ()  # (when, seconds run) of each recent stop
+
+    def heard(self, arrival: Arrival) -> None:
+        """`arrival` was queued (any thread): kept if it is the most urgent since the last look."""
+        with self._lock:
+            if self._arrived is None or (arrival.priority, arrival.prompt_tokens) < (
+                    self._arrived.priority, self._arrived.prompt_tokens):
+                self._arrived = arrival
+
+    def take(self) -> Arrival | None:
+        """The most urgent arrival since the last look (None: none), forgotten here."""
+        with self._lock:
+            arrived, self._arrived = self._arrived, None
+        return arrived
 
     @property
     def in_flight(self) -> StepInFlight | None:
@@ -132,35 +149,19 @@ class Arrivals:
         """Stop the step or piece in flight for `arrival` where it is worth it (any thread).
         True where the engine was asked to."""
         with self._lock:
-            if worth_interrupting(self._flight, arrival, now, self.wait(arrival_wait)):
+            if worth_interrupting(self._flight, arrival, now, self.wait(arrival_wait, now)):
                 return engine.interrupt()
         return False
 
-    def heard(self, arrival: Arrival) -> None:
-        """`arrival` was queued (any thread): kept if it is the most urgent since the last look."""
-        with self._lock:
-            if self._arrived is None or (arrival.priority, arrival.prompt_tokens) < (
-                    self._arrived.priority, self._arrived.prompt_tokens):
-                self._arrived = arrival
+    def wait(self, arrival_wait: float | None, now: float) -> float | None:
+        """The arrival wait at `now`: `arrival_wait`, unless the stops of the last THROWN_WINDOW
+        seconds threw away THROWN_SHARE of it or more."""
+        if arrival_wait is None:
+            return None
+        thrown = sum(seconds for when, seconds in self._thrown if when > now - THROWN_WINDOW)
+        return None if thrown >= THROWN_SHARE * THROWN_WINDOW else arrival_wait
 
-    def take(self) -> Arrival | None:
-        """The most urgent arrival since the last look (None: none), forgotten here."""
-        with self._lock:
-            arrived, self._arrived = self._arrived, None
-        return arrived
-
-    def wait(self, arrival_wait: float | None) -> float | None:
-        """The arrival wait for the step or piece in flight: `arrival_wait`, unless paused."""
-        return None if self._stopped else arrival_wait
-
-    def stopped(self, requests: list) -> None:
-        """The step or piece of these (lane, StepRequest) pairs was stopped part-way."""
-        self._stopped = frozenset(request.seq for _, request in requests if len(request.tokens) > 1)
-
-    def ran(self, requests: list, lanes) -> None:
-        """A step or piece of these pairs ran to its end, beside the engine's `lanes`: the pause
-        ends once a stopped prompt was fed, or none of them waits to be."""
-        if self._stopped and (any(request.seq in self._stopped and len(request.tokens) > 1 for _, request in requests)
-                              or not any(live.seq in self._stopped and live.job is not None and live.pending > 1
-                                         for live in lanes)):
-            self._stopped = frozenset()
+    def stopped(self, now: float, seconds: float) -> None:
+        """A step or piece was stopped part-way at `now`, having run `seconds` (the scheduler
+        thread; other threads read the record, replaced whole)."""
+        self._thrown = (*((when, ran) for when, ran in self._thrown if when > now - THROWN_WINDOW), (now, seconds))

@@ -425,7 +425,7 @@ class Scheduler:
         self.arrivals.begin(flight)
         arrived = self.arrivals.take()
         if arrived is not None and worth_interrupting(flight, arrived, began,
-                                                      self.arrivals.wait(self.policy.arrival_wait)):
+                                                      self.arrivals.wait(self.policy.arrival_wait, began)):
             # a request that goes first came between this tick's commands and its step: plan
             # again with it (if it was among the commands already, one plan is all this costs)
             self.planner.arrival_went_first(began)
@@ -444,9 +444,10 @@ class Scheduler:
             return False
         except Interrupted:  # for a request that goes first; the lanes keep what was finished
             self.masks.discard()
+            now = perf_counter()
             self.counters.interrupted_steps += 1
-            self.counters.interrupted_seconds += perf_counter() - began
-            self.arrivals.stopped(requests)
+            self.counters.interrupted_seconds += now - began
+            self.arrivals.stopped(now, now - began)
             self.planner.step_dropped()
             for live, _ in requests:
                 held = live.kv
@@ -456,7 +457,6 @@ class Scheduler:
         finally:
             self.arrivals.end(self.engine)
         self._measure(requests, perf_counter() - began)
-        self.arrivals.ran(requests, self.kv.lanes)
         # The step's records go to the log in one write, and only then do readers hear of its
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []

@@ -830,16 +830,17 @@ class StoppingArrivalsCellEngine(ArrivalsCellEngine):
 def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_that_goes_first(cell_host, monkeypatch,
                                                                                                wait):
     # As above (5 ms a token, a 2 s first-token target, pieces of 133 tokens once a request went
-    # first), on an engine that can stop a forward. A second short chat arrives 0.3 s into a
-    # piece predicted to last 0.665 s: past its first quarter, so without a wait the piece runs
-    # on and the chat goes after it; with arrival_wait 0.1 s (0.365 s left) the piece is stopped,
-    # having fed nothing, and the chat goes next. A third arrives 0.3 s into the piece fed again
-    # after it: that one is not stopped (no piece of the long prompt has run since the stop), so
-    # chats arriving more often than a piece lasts cannot stop every piece
+    # first), on an engine that can stop a forward. Five more short chats arrive one after
+    # another, each 0.3 s into the first piece of the long prompt after the last chat's prompt:
+    # past the piece's first quarter, so without a wait each piece runs on and the chat goes
+    # after it; with arrival_wait 0.1 s (0.365 s left) the piece is stopped, and the chat goes
+    # next. Each stop throws away 0.3 s (all but the ubatches of 32 tokens that finished): once
+    # the stops of the last 4 s threw away a quarter of them (1 s), the fifth is not stopped, so
+    # chats arriving more often than a piece lasts cannot stop every piece of a long prompt
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=wait,
                              engine_class=StoppingArrivalsCellEngine)
     on_simulated_time(monkeypatch, engine)
-    chats = [waiting_session(host, prompt(9 + i, 20)) for i in range(3)]
+    chats = [waiting_session(host, prompt(9 + i, 20)) for i in range(6)]
     queued, arrived_in = [], []
 
     def chat(i):
@@ -851,27 +852,27 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
         if not queued and len(engine.steps) == 2:  # the long prompt's second 400-token step
             chat(0)
         elif ((len(queued) == 1 and fed == 133 and sizes(engine.steps[-1:]) == [[133]])  # a step's second piece
-              or (len(queued) == 2 and fed > 64 and sizes(engine.steps[-1:]) == [[20]])):  # the piece after chat 2
+              or (1 < len(queued) < len(chats) and fed > 64 and 20 in sizes(engine.steps[-1:])[0])):  # after a chat
             engine.now += 0.3
             arrived_in.append(len(engine.steps))
             chat(len(queued))
 
     output, steps = run_long_prompt(host, engine, arrive, queued)
     # the first chat stops the 400-token step as it begins (barely begun, with or without a wait)
-    assert steps[2] == [20] and len(arrived_in) == 2
+    assert steps[2] == [20] and len(arrived_in) == 5
     stats = host.stats()
-    if wait is not None:  # the piece the second arrived in fed nothing: that chat is the next step fed
-        assert steps[arrived_in[0]] == [20] and steps[arrived_in[0] - 1] == [133]
-        assert engine.interrupts == 2 and stats.interrupted_steps == 2
-    else:  # the piece runs to its end, and the step ends after it
-        assert steps[arrived_in[0]] == [133] and steps[arrived_in[0] + 1] == [20]
-        assert engine.interrupts == 1 and stats.interrupted_steps == 1
-    # the third: its piece (beside the second chat's decode token) runs to its end either way,
-    # and the step ends after it
-    assert steps[arrived_in[1]][-1] > 64 and steps[arrived_in[1] + 1] == [20]
-    # the stopped piece kept its whole ubatches that finished in those 0.3 s: counted once, not fed again
-    assert engine.kept == (32 if wait is not None else 0)
-    assert stats.prefill_tokens == 3000 + 3 * 20
+    # (a chat's prompt goes beside the last chat's decode token, if it has one left)
+    if wait is not None:  # four pieces stopped: each of those chats is the next step fed
+        assert [steps[at][-1] for at in arrived_in[:4]] == [20] * 4 and steps[arrived_in[0] - 1] == [133]
+        assert engine.interrupts == 5 and stats.interrupted_steps == 5
+        assert 1.2 - 1e-9 <= stats.interrupted_seconds <= 1.2 + 1e-9
+        assert engine.kept > 0  # the ubatches the stopped pieces finished: counted once, not fed again
+        ran_on = arrived_in[4:]  # past the budget: the fifth chat's piece runs to its end
+    else:  # every piece runs to its end, and the step ends after it
+        assert engine.interrupts == 1 and stats.interrupted_steps == 1 and engine.kept == 0
+        ran_on = arrived_in
+    assert all(steps[at][-1] > 64 and steps[at + 1][-1] == 20 for at in ran_on)
+    assert stats.prefill_tokens == 3000 + len(chats) * 20
     alone, _ = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0)
     _, (again,) = start(alone, [prompt(0, 3000)], max_tokens=4)
     assert again.collect() == output  # the long prompt's reply as without the stops
