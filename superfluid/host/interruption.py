@@ -31,7 +31,7 @@ where the engine can stop a forward, a step or piece with more than `arrival_wai
 its predicted time left is stopped for such a request, what it did so far is thrown away
 (llama.cpp keeps the ubatches it finished, but a piece is one ubatch), and the request waits at most about that long (a step or piece barely begun is still stopped,
 as without it). Each stop throws away up to a piece, so what it costs grows with how often such
-requests arrive; while the stops of the last 4 s threw away a quarter of them or more, only
+requests arrive; while the stops of the last 4 s threw away half of them or more, only
 what has barely begun is stopped, so requests arriving more often than a piece lasts cannot
 stop every piece of a long prompt. With a chat every second beside three long documents on 2 cores,
 `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.10-0.17 s (an
@@ -54,8 +54,10 @@ INTERRUPT_WITHIN = 0.25
 # ...and only when at least this much of it is left to save.
 MIN_SAVED_SECONDS = 0.05
 # arrival_wait pauses while the stops of the last THROWN_WINDOW seconds threw away this share of
-# them: a long prompt keeps three quarters of the engine's time however often requests arrive.
-THROWN_SHARE = 0.25
+# them: long prompts keep half the engine's time however often requests arrive. (A quarter was
+# tried: behind 8 agents with a chat every 0.6-2 s, the chats that missed were those arriving
+# while it held.)
+THROWN_SHARE = 0.5
 THROWN_WINDOW = 4.0
 
 

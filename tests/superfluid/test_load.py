@@ -10,6 +10,7 @@ tokens as alone" means every swap, fork and restore put back exactly the right s
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 
@@ -19,7 +20,7 @@ import pytest
 
 from engines.errors import EngineError, Interrupted
 from superfluid import ContextFull, Host
-from superfluid.host import planner, scheduler
+from superfluid.host import interruption, planner, scheduler
 from superfluid.host.churn import Churn
 from superfluid.host.host import _policy
 from superfluid.host.errors import Overloaded
@@ -830,17 +831,20 @@ class StoppingArrivalsCellEngine(ArrivalsCellEngine):
 def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_that_goes_first(cell_host, monkeypatch,
                                                                                                wait):
     # As above (5 ms a token, a 2 s first-token target, pieces of 133 tokens once a request went
-    # first), on an engine that can stop a forward. Five more short chats arrive one after
-    # another, each 0.3 s into the first piece of the long prompt after the last chat's prompt:
-    # past the piece's first quarter, so without a wait each piece runs on and the chat goes
-    # after it; with arrival_wait 0.1 s (0.365 s left) the piece is stopped, and the chat goes
-    # next. Each stop throws away 0.3 s (all but the ubatches of 32 tokens that finished): once
-    # the stops of the last 4 s threw away a quarter of them (1 s), the fifth is not stopped, so
-    # chats arriving more often than a piece lasts cannot stop every piece of a long prompt
+    # first), on an engine that can stop a forward. More short chats arrive one after another,
+    # each 0.3 s into the first piece of the long prompt after the last chat's prompt: past the
+    # piece's first quarter, so without a wait each piece runs on and the chat goes after it;
+    # with arrival_wait 0.1 s (0.365 s left) the piece is stopped, and the chat goes next. Each
+    # stop throws away 0.3 s (all but the ubatches of 32 tokens that finished): once the stops of
+    # the last 4 s threw away half of them (2 s, after 7 stops in 2.8 s), the next chat's piece
+    # is not stopped, so chats arriving more often than a piece lasts cannot stop every piece.
+    # (No decode-step target: a chat's last decode token would shorten each step after it, and
+    # with it the piece the next chat arrives in.)
     host, engine = cell_host(cells=1 << 15, step_seconds=(0.0, 0.005), first_token_target=2.0, arrival_wait=wait,
-                             engine_class=StoppingArrivalsCellEngine)
+                             decode_step_target=None, engine_class=StoppingArrivalsCellEngine)
     on_simulated_time(monkeypatch, engine)
-    chats = [waiting_session(host, prompt(9 + i, 20)) for i in range(6)]
+    stops = math.ceil(interruption.THROWN_SHARE * interruption.THROWN_WINDOW / 0.3)  # pieces stopped 0.3 s in
+    chats = [waiting_session(host, prompt(9 + i, 20)) for i in range(stops + 2)]
     queued, arrived_in = [], []
 
     def chat(i):
@@ -859,15 +863,15 @@ def test_with_an_arrival_wait_a_piece_well_under_way_is_stopped_for_a_request_th
 
     output, steps = run_long_prompt(host, engine, arrive, queued)
     # the first chat stops the 400-token step as it begins (barely begun, with or without a wait)
-    assert steps[2] == [20] and len(arrived_in) == 5
+    assert steps[2] == [20] and len(arrived_in) == stops + 1
     stats = host.stats()
     # (a chat's prompt goes beside the last chat's decode token, if it has one left)
-    if wait is not None:  # four pieces stopped: each of those chats is the next step fed
-        assert [steps[at][-1] for at in arrived_in[:4]] == [20] * 4 and steps[arrived_in[0] - 1] == [133]
-        assert engine.interrupts == 5 and stats.interrupted_steps == 5
-        assert 1.2 - 1e-9 <= stats.interrupted_seconds <= 1.2 + 1e-9
+    if wait is not None:  # those pieces stopped: each of those chats is the next step fed
+        assert [steps[at][-1] for at in arrived_in[:stops]] == [20] * stops and steps[arrived_in[0] - 1] == [133]
+        assert engine.interrupts == stops + 1 and stats.interrupted_steps == stops + 1
+        assert stats.interrupted_seconds == pytest.approx(0.3 * stops)
         assert engine.kept > 0  # the ubatches the stopped pieces finished: counted once, not fed again
-        ran_on = arrived_in[4:]  # past the budget: the fifth chat's piece runs to its end
+        ran_on = arrived_in[stops:]  # past the budget: the last chat's piece runs to its end
     else:  # every piece runs to its end, and the step ends after it
         assert engine.interrupts == 1 and stats.interrupted_steps == 1 and engine.kept == 0
         ran_on = arrived_in
