@@ -205,9 +205,11 @@ class Planner:
             # would save is small beside what that prompt has waited already, and the step
             # would carry little. Never two such steps in a row: a stream of short prompts
             # cannot hold the long ones back.
+            # (A prompt's end counts by the whole prompt: a chat's 19 tokens beside the last 54
+            # of an agent's 1,823 took 0.55 s in one llama.cpp forward, the chat's alone 0.08.)
             short = SHORT_FACTOR * min(whole)
             kept = [(live, request) for live, request in prefill
-                    if len(request.tokens) == live.pending and live.pending < short]
+                    if len(request.tokens) == live.pending and live.job.prefilled + live.pending < short]
             prefill = kept
             exclusive = len(kept) < len(prefilling)  # a prompt waits: the next step goes by urgency
         self._exclusive_before = exclusive
