@@ -64,15 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _version() -> str:
     """superfluid's version and the runtime libraries installed beside it."""
-    from superfluid import DISTRIBUTION, __version__
+    from superfluid import DISTRIBUTION, __version__ as source_version
 
     try:  # the installed record, as `compat` reports it
-        __version__ = importlib.metadata.version(DISTRIBUTION)
+        version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        pass  # running from a source tree that was never installed
+        version = source_version  # running from a source tree that was never installed
     libraries = [f"{registry.get(r).distribution} {registry.status(r).installed_version or 'not installed'}"
                  for r in registry.RUNTIMES]
-    return f"superfluid {__version__} ({', '.join(libraries)})"
+    return f"superfluid {version} ({', '.join(libraries)})"
 
 
 def _reexec_with_openblas(argv: list[str]) -> None:
