@@ -33,10 +33,10 @@ its predicted time left is stopped for such a request, what it did so far is thr
 as without it). Each stop throws away up to a piece, so what it costs grows with how often such
 requests arrive; while the stops of the last 4 s threw away half of them or more, only
 what has barely begun is stopped, so requests arriving more often than a piece lasts cannot
-stop every piece of a long prompt. With a chat every second beside three long documents on 2 cores,
-`arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.10-0.17 s (an
-idle engine's first token took 81-96 ms) and made the documents 41% slower (14 s of 51 thrown
-away).
+stop every piece of a long prompt. With a chat every second beside three long documents on 2
+cores, `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.08-0.16 s
+(an idle engine's first token took 77-98 ms) and made the documents 29-43% slower (11-12 s of
+44-52 thrown away).
 
 The scheduler counts both: the steps ended between pieces (`yielded_steps`), and those stopped
 part-way with the seconds they had run (`interrupted_steps`, `interrupted_seconds`).
