@@ -29,11 +29,13 @@ percentile (a piece lasts 0.3-0.5 s on 2 cores).
 **`arrival_wait`** (a Host option, `--arrival-wait` for serve) trades prefill for that wait:
 where the engine can stop a forward, a step or piece with more than `arrival_wait` seconds of
 its predicted time left is stopped for such a request, what it did so far is thrown away
-(llama.cpp keeps the ubatches it finished, but a piece is one ubatch), and the request waits at most about that long (a step or piece barely begun is still stopped,
-as without it). Each stop throws away up to a piece, so what it costs grows with how often such
-requests arrive; while the stops of the last 4 s threw away half of them or more, only
-what has barely begun is stopped, so requests arriving more often than a piece lasts cannot
-stop every piece of a long prompt. With a chat every second beside three long documents on 2
+(llama.cpp keeps the ubatches it finished; a piece of up to 512 tokens is one), and the request
+waits at most about that long (a step or piece barely begun is still stopped, as without it).
+Each stop throws away up to a piece, so what it costs grows with how often such requests
+arrive; while the steps stopped in the last 4 s had run for half of them or more (all of it
+counted as thrown away, kept ubatches too: the pause comes sooner, never later), only what has
+barely begun is stopped, so requests arriving more often than a piece lasts cannot stop every
+piece of a long prompt, and the work thrown away stays near half the engine's time at most. With a chat every second beside three long documents on 2
 cores, `arrival_wait` 0.08 s brought the chats' 95th percentile from about 0.5 s to 0.08-0.16 s
 (an idle engine's first token took 77-98 ms) and made the documents 29-43% slower (11-12 s of
 44-52 thrown away).
@@ -53,8 +55,9 @@ from superfluid.host.request import Priority
 INTERRUPT_WITHIN = 0.25
 # ...and only when at least this much of it is left to save.
 MIN_SAVED_SECONDS = 0.05
-# arrival_wait pauses while the stops of the last THROWN_WINDOW seconds threw away this share of
-# them: long prompts keep half the engine's time however often requests arrive. (A quarter was
+# arrival_wait pauses while the steps stopped in the last THROWN_WINDOW seconds had run for this
+# share of them: the work thrown away stays near half the engine's time at most however often
+# requests arrive (one stop may pass it; the budget is looked at before each). (A quarter was
 # tried: behind 8 agents with a chat every 0.6-2 s, the chats that missed were those arriving
 # while it held.)
 THROWN_SHARE = 0.5
@@ -105,9 +108,9 @@ class Arrivals:
     most urgent request queued since it last looked (hurry() runs on other threads: a lock, so
     none is lost, and a later, longer arrival does not hide a chat), the step or piece in flight
     (under the same lock, so an interrupt asked for it never lands after it ended, where it
-    would stop the next one), and the seconds of work the stops of the last THROWN_WINDOW seconds
-    threw away (past THROWN_SHARE of that window, arrival_wait pauses: requests arriving more
-    often than a piece lasts cannot stop every piece of a long prompt)."""
+    would stop the next one), and the seconds that the steps stopped in the last THROWN_WINDOW
+    seconds had run (past THROWN_SHARE of that window, arrival_wait pauses: requests arriving
+    more often than a piece lasts cannot stop every piece of a long prompt)."""
 
     def __init__(self) -> None:
         """Nothing heard, nothing in flight, nothing stopped."""
@@ -156,8 +159,8 @@ class Arrivals:
         return False
 
     def wait(self, arrival_wait: float | None, now: float) -> float | None:
-        """The arrival wait at `now`: `arrival_wait`, unless the stops of the last THROWN_WINDOW
-        seconds threw away THROWN_SHARE of it or more."""
+        """The arrival wait at `now`: `arrival_wait`, unless the steps stopped in the last
+        THROWN_WINDOW seconds had run for THROWN_SHARE of it or more."""
         if arrival_wait is None:
             return None
         thrown = sum(seconds for when, seconds in self._thrown if when > now - THROWN_WINDOW)

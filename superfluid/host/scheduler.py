@@ -422,21 +422,20 @@ class Scheduler:
             return True
         began = perf_counter()
         flight = self._in_flight(requests, began)
-        self.arrivals.begin(flight)
-        arrived = self.arrivals.take()
-        if arrived is not None and worth_interrupting(flight, arrived, began,
-                                                      self.arrivals.wait(self.policy.arrival_wait, began)):
-            # a request that goes first came between this tick's commands and its step: plan
-            # again with it (if it was among the commands already, one plan is all this costs)
-            self.planner.arrival_went_first(began)
-            self.arrivals.end(self.engine)
-            self.planner.step_dropped()
-            return False
-        if self.handoff.holding() and any(len(request.tokens) > 1 for _, request in requests):
-            self.handoff.before_long_step()  # a step with a prompt may last long: what is held goes first
-        self.masks.start((live, live.job.matching) for live, request in requests
-                         if live.job.matching is not None and request.logits != "none")
+        self.arrivals.begin(flight)  # (ended below whatever happens: else a later arrival could stop the next step)
         try:
+            arrived = self.arrivals.take()
+            if arrived is not None and worth_interrupting(flight, arrived, began,
+                                                          self.arrivals.wait(self.policy.arrival_wait, began)):
+                # a request that goes first came between this tick's commands and its step: plan
+                # again with it (if it was among the commands already, one plan is all this costs)
+                self.planner.arrival_went_first(began)
+                self.planner.step_dropped()
+                return False
+            if self.handoff.holding() and any(len(request.tokens) > 1 for _, request in requests):
+                self.handoff.before_long_step()  # a step with a prompt may last long: what is held goes first
+            self.masks.start((live, live.job.matching) for live, request in requests
+                             if live.job.matching is not None and request.logits != "none")
             results = self.engine.step([request for _, request in requests])
         except NoRoom:
             self.masks.discard()
@@ -452,7 +451,9 @@ class Scheduler:
             for live, _ in requests:
                 held = live.kv
                 self.kv.resync(live)
-                self._count_fed(live, live.kv - held)  # llama.cpp keeps the ubatches it finished
+                # llama.cpp keeps the ubatches it finished: prompt tokens only (resync cuts a
+                # decode token kept without its logits back, to be fed again)
+                self._count_fed(live, live.kv - held, decode=False)
             return False
         finally:
             self.arrivals.end(self.engine)
@@ -488,12 +489,12 @@ class Scheduler:
                     self.finish(live, "error", failed)
         return [(generation, piece) for generation, piece in self._outbox if generation.session_id not in touched]
 
-    def _count_fed(self, live: Live, fed: int) -> None:
+    def _count_fed(self, live: Live, fed: int, *, decode: bool) -> None:
         """Count `fed` tokens a step put in `live`'s cells: a decode token, or prompt."""
         if fed <= 0 or live.job is None:
             return
         self.fed += fed
-        if fed == 1 and live.job.produced:
+        if decode:
             self.counters.decode_tokens += 1
         else:
             self.counters.prefill_tokens += fed
@@ -504,7 +505,7 @@ class Scheduler:
         for (live, request), logits in zip(requests, results):
             fed = len(request.tokens)
             live.kv += fed
-            self._count_fed(live, fed)
+            self._count_fed(live, fed, decode=fed == 1 and bool(live.job.produced))
             if request.logits == "none":
                 if self._needs_checkpoint(live):
                     self.kv.park(live, keep_lane=True)  # a checkpoint inside a long prompt
