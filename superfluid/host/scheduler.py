@@ -94,7 +94,7 @@ class Scheduler:
         self.fed = 0  # tokens fed to the engine so far, every lane together (a waiting generation's age)
         self._outbox: list[tuple[Generation, Piece]] | None = None  # a step's pieces, until its records are written
         self.planner: Planner | None = None  # made with the engine, whose descriptor it reads
-        self.arrivals = Arrivals()  # the most urgent arrival since the last look, the step in flight, the last stop
+        self.arrivals = Arrivals()  # the most urgent arrival since the last look, the step in flight, recent stops
         self._order = itertools.count(1)
         self.ticks = 0  # rounds of the loop so far (the test modes choose ticks by number)
         self.publisher = Publisher(self.stats)  # what /health and /metrics read; generations' ends after it
