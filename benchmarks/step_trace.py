@@ -1,6 +1,6 @@
 """Where a traffic shape's time goes inside `superfluid serve`: every step and every forward timed.
 
-    .venv/bin/python benchmarks/step_trace.py [--alone] [--targets FIRST DECODE] [--salt N] [--peer]
+    .venv/bin/python benchmarks/step_trace.py [--alone] [--targets FIRST DECODE] [--salt N] [--peer] [--trace PATH]
 
 Starts serve as traffic.py does (llama.cpp, the default model, disk tier off) through this file,
 which wraps the command: it times each step of the scheduler and each llama_decode call of the
@@ -9,7 +9,8 @@ documents-beside-chats shape (3 documents of ~1,800 tokens sent together, a stre
 chat every second) or, with --alone, the documents alone, and prints where the documents' wall
 time went: the documents' prompt chunks (forwards of 64 tokens or more), the small forwards
 beside them (decode tokens, short prompts), the steps that only feed short prompts or only
-decode, and the steps stopped or planned again for an arrival (their work thrown away).
+decode, the steps stopped or planned again for an arrival (their work thrown away), and how
+well the planner's step costs predicted each step before it ran (predicted over measured).
 `--targets` passes serve's --first-token-target and --decode-step-target; `--peer` sends the same
 shape to llama-server as traffic.py runs it (its times only) to set beside ours.
 """
@@ -39,6 +40,7 @@ def _serve_traced(trace_path: str, argv: list[str]) -> int:
     """Run `superfluid <argv>` with its steps and forwards timed into `trace_path`."""
     from engines.llamacpp.engine import LlamaCppEngine
     from superfluid.cli.main import main
+    from superfluid.host.planner import depth_of
     from superfluid.host.scheduler import Scheduler
 
     out = open(trace_path, "w", buffering=1)
@@ -59,9 +61,12 @@ def _serve_traced(trace_path: str, argv: list[str]) -> int:
         finally:  # P end seconds finished: every step begun, with whether its forwards all ran
             out.write(f"P {time.monotonic():.4f} {time.perf_counter() - began:.5f} {int(self.traced_finished)}\n")
 
-    def timed_measure(self, requests, seconds):  # S end seconds sizes...: the steps that finished
+    def timed_measure(self, requests, seconds):  # S end seconds predicted depth sizes...: the steps that finished
         self.traced_finished = True
-        out.write(f"S {time.monotonic():.4f} {seconds:.5f} {' '.join(str(len(r.tokens)) for _, r in requests)}\n")
+        depth = depth_of(requests)
+        predicted = self.planner.costs.seconds_for(sum(len(r.tokens) for _, r in requests), depth)
+        out.write(f"S {time.monotonic():.4f} {seconds:.5f} {-1 if predicted is None else predicted:.5f} {depth:.1f} "
+                  f"{' '.join(str(len(r.tokens)) for _, r in requests)}\n")
         return measure(self, requests, seconds)
 
     LlamaCppEngine._decode, Scheduler._step, Scheduler._measure = timed_decode, timed_step, timed_measure
@@ -82,7 +87,7 @@ def documents_alone(served: servers.Served, sizes: traffic.TrafficSizes, salt: i
 
 def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], None] = print) -> None:
     """Print where the seconds between `began` and `ended` (time.monotonic) went."""
-    forwards, steps, begun, dropped = [], [], [], []
+    forwards, steps, begun, dropped, predictions = [], [], [], [], []
     with open(trace_path) as trace:
         for line in trace:
             kind, at, seconds, *rest = line.split()
@@ -91,7 +96,10 @@ def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], 
             if kind == "F":
                 forwards.append((float(at), float(seconds), int(rest[0]), int(rest[1])))
             elif kind == "S":
-                steps.append((float(at), float(seconds), [int(n) for n in rest]))
+                steps.append((float(at), float(seconds), [int(n) for n in rest[2:]]))
+                if float(rest[0]) >= 0:  # what the planner's costs predicted for it before it ran
+                    predictions.append((float(rest[0]) / float(seconds) if float(seconds) > 0 else 1.0,
+                                        max(int(n) for n in rest[2:]) >= CHUNK))
             else:
                 begun.append(float(seconds))
                 if rest[0] == "0":  # stopped for an arrival, or planned again before it ran
@@ -120,6 +128,12 @@ def summarise(trace_path: str, began: float, ended: float, say: Callable[[str], 
     for kind, durations in kinds.items():
         say(f"steps that {kind}: {len(durations)}, {sum(durations):.2f} s")
     say(f"steps stopped or planned again (work thrown away): {len(dropped)}, {sum(dropped):.2f} s")
+    for chunked, name in ((True, "with a prompt chunk"), (False, "without")):
+        ratios = sorted(ratio for ratio, kind in predictions if kind == chunked)
+        if ratios:  # predicted over measured: under 1 is a step that ran past its prediction
+            say(f"predicted / measured, steps {name}: median {ratios[len(ratios) // 2]:.2f}, "
+                f"10th-90th percentile {ratios[len(ratios) // 10]:.2f}-{ratios[9 * len(ratios) // 10]:.2f} "
+                f"({len(ratios)} steps)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve's two targets, in seconds (default: serve's)")
     parser.add_argument("--salt", type=int, default=30, help="another number sends other texts (default: 30)")
     parser.add_argument("--peer", action="store_true", help="llama-server on the same shape instead (times only)")
+    parser.add_argument("--trace", metavar="PATH", help="keep the trace in this file (default: a temporary one)")
     args = parser.parse_args(argv)
     model = Path(models.default_model(progress=print))
     sizes = traffic.FULL
     targets = (("--first-token-target", str(args.targets[0]), "--decode-step-target", str(args.targets[1]))
                if args.targets else ())
     with tempfile.TemporaryDirectory() as scratch:
-        trace_path = os.path.join(scratch, "trace")
+        trace_path = os.path.abspath(args.trace) if args.trace else os.path.join(scratch, "trace")
         if args.peer:  # llama-server as traffic.py runs it, untraced: the same shape's times to set beside ours
             served = servers.start_peer(model, servers.PEER_CONTEXT, extra=("-fa", "on"))
         else:

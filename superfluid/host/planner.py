@@ -24,8 +24,9 @@ A step's long chunks then run in pieces (`Planner.pieces`), between which the sc
 the step for a request that goes first: such a request waits for one piece, not the step.
 
 The costs are measured, not assumed: the seconds of each step are kept by the tokens it carried,
-in buckets of powers of two, and a step of n tokens is predicted from the measured steps nearest
-in size. A step reads every weight whatever it carries, so a token costs less in a larger step
+in buckets of powers of two, and by the cells those tokens attended (a token late in a long
+context costs more than an early one); a step of n tokens at a depth is predicted from the
+measured steps nearest in size, at that depth (`StepCosts`). A step reads every weight whatever it carries, so a token costs less in a larger step
 (on SmolLM2 on 2 cores with flash attention, 1,800 prompt tokens prefill at 251 tok/s in chunks
 of 512, 166 in chunks of 32 and 150 in chunks of 8): the longer the targets allow a step to be,
 the closer prefill comes to the engine's full speed. Predictions past the largest step measured
@@ -68,52 +69,123 @@ PIECE_SHARE = 0.25
 # save nothing where no request would go first (prompts that all arrive together, conversations
 # whose next turns are no shorter than the prompts being fed).
 RECENT_ARRIVALS = 10.0
-# Weight of the newest step in its bucket's moving average: recent steps count most, since the
-# cost of a step grows with the context its lanes attend to.
+# Weight of the newest step in its bucket's moving average of cost: recent steps count most (the
+# machine may be shared, and its speed drifts).
 NEWEST = 0.3
+# ...and in the slower moving averages that fit how a token's cost grows with its depth (about the
+# last ten steps of a size): the slope is the model's and the kernel's, not the moment's.
+SLOPE_NEWEST = 0.1
+# One step's cost counts in the slope's averages at most this share away from their mean: a slow
+# step (another process on the cores, a stall) must not pass for a slope, while the cost that
+# depth adds (a few percent from one step to the next) passes whole.
+SLOPE_CLIP = 0.25
+# A slope is fitted from the steps of a size and of the sizes next to it (half and twice: the same
+# kernels), once this many of them were measured and their depths (the mean cells their tokens
+# attended) spread by this much (a standard deviation): fewer or closer, noise passes for a slope.
+MIN_SLOPE_STEPS = 8
+MIN_DEPTH_SPREAD = 128.0
+# However the slope extrapolates, a bucket's cost a token is kept within these multiples of its
+# measured average (a noisy slope must not promise a free step, nor forbid every step).
+COST_RANGE = (0.25, 8.0)
 
 
 @dataclass
 class _Bucket:
-    tokens: float  # moving average of the tokens its steps carried
-    seconds: float  # and of their seconds
+    """Steps of one size class: moving averages of the tokens they carried, of the cells their
+    tokens attended and of their seconds a token (the newest weighing NEWEST), and slower ones
+    (SLOPE_NEWEST) of the depth, its spread and how the cost moved with it."""
+
+    tokens: float
+    depth: float
+    cost: float  # seconds a token
+    steps: int = 1
+    slow_depth: float = 0.0
+    slow_cost: float = 0.0
+    depth_variance: float = 0.0
+    covariance: float = 0.0  # of depth and seconds a token
+
+    def __post_init__(self) -> None:
+        self.slow_depth, self.slow_cost = self.depth, self.cost
+
+    def fold(self, tokens: int, depth: float, cost: float) -> None:
+        """Fold one step in."""
+        self.steps += 1
+        self.tokens += NEWEST * (tokens - self.tokens)
+        self.depth += NEWEST * (depth - self.depth)
+        self.cost += NEWEST * (cost - self.cost)
+        to_depth = depth - self.slow_depth
+        to_cost = max(-SLOPE_CLIP * self.slow_cost, min(SLOPE_CLIP * self.slow_cost, cost - self.slow_cost))
+        self.slow_depth += SLOPE_NEWEST * to_depth
+        self.slow_cost += SLOPE_NEWEST * to_cost
+        self.depth_variance = (1 - SLOPE_NEWEST) * (self.depth_variance + SLOPE_NEWEST * to_depth * to_depth)
+        self.covariance = (1 - SLOPE_NEWEST) * (self.covariance + SLOPE_NEWEST * to_depth * to_cost)
+
+    def cost_at(self, depth: float, slope: float) -> float:
+        """Seconds a token at `depth`, by `slope` from this bucket's recent average."""
+        low, high = COST_RANGE
+        return min(high * self.cost, max(low * self.cost, self.cost + slope * (depth - self.depth)))
 
 
 class StepCosts:
-    """Measured seconds of steps by the tokens they carried."""
+    """Measured seconds of steps by the tokens they carried and the cells those tokens attended.
+
+    A step reads every weight whatever it carries, so its tokens cost less in a larger step; and
+    each token attends every cell before it, so a token late in a long context costs more than an
+    early one (on SmolLM2 on 2 cores with flash attention, a prompt token 2.47 ms early in a
+    1,800-token prompt and 3.25 ms late, in chunks of 512; a decode token 6.4 ms at a short
+    context and 10.8 ms at ~900 cells). Steps are kept in buckets by the log2 of their tokens,
+    and in each bucket a token's cost is fitted as a line in the step's depth (the mean cells its
+    tokens attended): a step of n tokens at depth d is predicted from the buckets nearest n, each
+    at d. A bucket whose steps all sat at about one depth borrows the slope of the nearest bucket
+    that has one (else it predicts its average, whatever the depth)."""
 
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}  # by log2 of the tokens carried
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Fold one step's duration in."""
+    def observe(self, tokens: int, seconds: float, depth: float = 0.0) -> None:
+        """Fold one step's duration in: `tokens` carried, their mean depth (cells attended)."""
         if tokens <= 0 or seconds < 0:
             return
         key = int(math.log2(tokens))
         bucket = self._buckets.get(key)
         if bucket is None:
-            self._buckets[key] = _Bucket(float(tokens), seconds)
+            self._buckets[key] = _Bucket(float(tokens), float(depth), seconds / tokens)
         else:
-            bucket.tokens += NEWEST * (tokens - bucket.tokens)
-            bucket.seconds += NEWEST * (seconds - bucket.seconds)
+            bucket.fold(tokens, depth, seconds / tokens)
 
     def measured(self) -> bool:
         """True once any step was measured."""
         return bool(self._buckets)
 
-    def _points(self) -> list[tuple[float, float]]:
-        """(tokens, seconds) of each bucket by size, seconds made non-decreasing (a larger step
-        never predicts less than a smaller one)."""
-        points, longest = [], 0.0
+    def _slopes(self) -> dict[int, float]:
+        """Each bucket's slope, seconds a token gains per cell of depth: fitted from its steps and
+        its neighbours' (within each bucket, how the cost moved with the depth) where enough of
+        them, spread enough in depth, say; else 0 (its average, whatever the depth). Never
+        negative: attending more cells never costs less."""
+        slopes = {}
+        for key in self._buckets:
+            near = [self._buckets[other] for other in (key - 1, key, key + 1) if other in self._buckets]
+            variance = sum(bucket.depth_variance for bucket in near) / len(near)
+            if sum(bucket.steps for bucket in near) < MIN_SLOPE_STEPS or variance < MIN_DEPTH_SPREAD ** 2:
+                slopes[key] = 0.0
+            else:
+                slopes[key] = max(0.0, sum(bucket.covariance for bucket in near) / len(near) / variance)
+        return slopes
+
+    def _points(self, depth_of: Callable[[float], float]) -> list[tuple[float, float]]:
+        """(tokens, seconds) of each bucket by size, each at the depth `depth_of` gives for its
+        tokens, the seconds made non-decreasing (a larger step never predicts less)."""
+        slopes, points, longest = self._slopes(), [], 0.0
         for key in sorted(self._buckets):
             bucket = self._buckets[key]
-            longest = max(longest, bucket.seconds)
+            longest = max(longest, bucket.tokens * bucket.cost_at(depth_of(bucket.tokens), slopes[key]))
             points.append((bucket.tokens, longest))
         return points
 
-    def seconds_for(self, tokens: int) -> float | None:
-        """The predicted seconds of a step of `tokens` (None: nothing measured yet)."""
-        points = self._points()
+    def seconds_for(self, tokens: int, depth: float = 0.0) -> float | None:
+        """The predicted seconds of a step of `tokens` whose tokens attend `depth` cells on
+        average (None: nothing measured yet)."""
+        points = self._points(lambda _: depth)
         if not points:
             return None
         first, last = points[0], points[-1]
@@ -126,9 +198,10 @@ class StepCosts:
                 return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0) if n1 > n0 else s1
         return last[1]  # not reached
 
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most tokens a step may carry to last at most `seconds` (None: nothing measured)."""
-        points = self._points()
+    def tokens_within(self, seconds: float, start: int = 0) -> int | None:
+        """The most prompt tokens a step may carry from context position `start` (the cells
+        already before them) to last at most `seconds` (None: nothing measured)."""
+        points = self._points(lambda tokens: start + (tokens + 1) / 2)
         if not points:
             return None
         first, last = points[0], points[-1]
@@ -140,6 +213,18 @@ class StepCosts:
         return int(last[0] * seconds / last[1]) if last[1] > 0 else 1 << 30
 
 
+def depth_of(requests: list) -> float:
+    """The mean cells a token of these (lane, StepRequest) pairs attends: a token at context
+    position p (its lane's cells before the request, then the request's own tokens before it)
+    attends p + 1 cells, itself included."""
+    tokens = attended = 0
+    for live, request in requests:
+        count = len(request.tokens)
+        tokens += count
+        attended += count * live.kv + count * (count + 1) // 2
+    return attended / tokens if tokens else 0.0
+
+
 def step_seconds(first_token_target: float | None, decode_step_target: float | None, streaming: bool) -> float | None:
     """How long this step may last: the first-token target, and the decode-step target while a
     lane decodes for a reader of its tokens as they come (None: no bound)."""
@@ -148,13 +233,14 @@ def step_seconds(first_token_target: float | None, decode_step_target: float | N
     return min(bounds) if bounds else None
 
 
-def prefill_budget(costs: StepCosts, limit: int, seconds: float | None, decode_tokens: int) -> int:
-    """Prompt tokens this step carries beside `decode_tokens` decode tokens: the most that the
-    measured costs fit in `seconds`, at most `limit` (the configured budget), at least
-    MIN_PREFILL_CHUNK. Unmeasured or unbounded: the whole `limit` (the first step measures)."""
+def prefill_budget(costs: StepCosts, limit: int, seconds: float | None, decode_tokens: int, start: int = 0) -> int:
+    """Prompt tokens this step carries beside `decode_tokens` decode tokens, from context
+    position `start`: the most that the measured costs fit in `seconds`, at most `limit` (the
+    configured budget), at least MIN_PREFILL_CHUNK. Unmeasured or unbounded: the whole `limit`
+    (the first step measures)."""
     if seconds is None:
         return limit
-    fits = costs.tokens_within(seconds)
+    fits = costs.tokens_within(seconds, start)
     if fits is None:
         return limit
     return max(MIN_PREFILL_CHUNK, min(limit, fits - decode_tokens))
@@ -231,7 +317,8 @@ class Planner:
             # one step's time in all before they go again, however many short requests keep
             # arriving (their own steps between these count as before: never two in a row).
             kept = [(live, request) for live, request in prefill if len(request.tokens) == live.pending]
-            predicted = self.costs.seconds_for(len(decode) + sum(len(request.tokens) for _, request in kept))
+            together = decode + kept
+            predicted = self.costs.seconds_for(sum(len(request.tokens) for _, request in together), depth_of(together))
             if predicted is not None and self._held + predicted <= seconds:
                 self._held += predicted
                 return decode, kept
@@ -262,10 +349,12 @@ class Planner:
         recent = self.went_first_at is not None and now - self.went_first_at <= RECENT_ARRIVALS
         if self.policy.first_token_target is None or not recent:
             return [requests]
-        size = max(MIN_PIECE, self.costs.tokens_within(PIECE_SHARE * self.policy.first_token_target) or 0)
+        share = PIECE_SHARE * self.policy.first_token_target
         alone = 0.5 if self.descriptor.packing.chunks_apart else 1.5  # pieces' worth that runs apart
         first, later, opened = [], [], False
         for live, request in requests:
+            # (a piece late in a long prompt attends more cells: fewer of its tokens fit)
+            size = max(MIN_PIECE, self.costs.tokens_within(share, live.kv) or 0)
             if len(request.tokens) < alone * size or request.logits == "all":  # (rows of every token: not cut)
                 first.append((live, request))
                 continue
@@ -287,7 +376,7 @@ class Planner:
         urgent as every prompt of `partial` (those the step feeds only in part)."""
         if not decode or seconds is None or not self.descriptor.packing.chunks_apart:
             return False
-        step = self.costs.seconds_for(len(decode))
+        step = self.costs.seconds_for(len(decode), depth_of(decode))
         if step is None:
             return False
         waiting = min(live.job.priority for live in partial)
@@ -307,7 +396,8 @@ class Planner:
         interactive = any(live.job.priority == Priority.INTERACTIVE for live in prefilling + [l for l, _ in decode])
         # what one step can carry (the engine's batch, the free cells), and what its time allows
         limit = min(self.descriptor.packing.max_tokens - len(decode), room - len(decode))
-        budget = prefill_budget(self.costs, self.policy.prefill_budget, seconds, len(decode))
+        # (sized at the depth of the most urgent prompt, which the step feeds first)
+        budget = prefill_budget(self.costs, self.policy.prefill_budget, seconds, len(decode), prefilling[0].kv)
         budget, prefill = min(budget, limit), []
         if ends_first:
             # A prompt this step can end goes before one it cannot, however long the other has

@@ -42,7 +42,7 @@ from superfluid.host.interruption import Arrival, Arrivals, StepInFlight, goes_f
 from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import LogWriteFailed, SessionLog
-from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner
+from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner, depth_of
 from superfluid.host.session import Generation, Piece
 from superfluid.host.sessions import Sessions
 from superfluid.host.stats import Counters, HostStats, Publisher, tier_stats
@@ -529,15 +529,18 @@ class Scheduler:
         """What the thread queueing a request needs to know of this step (None: it feeds no
         prompt, or its time cannot be predicted yet)."""
         prompts = [(live.job.priority, live.pending) for live, _ in requests if live.pending > 1]
+        if not prompts:
+            return None
         tokens = sum(len(request.tokens) for _, request in requests)
-        predicted = self.planner.costs.seconds_for(tokens)
-        if not prompts or predicted is None:
+        predicted = self.planner.costs.seconds_for(tokens, depth_of(requests))
+        if predicted is None:
             return None
         return StepInFlight(began, predicted, min(prompts), tokens)
 
     def _measure(self, requests: list, seconds: float) -> None:
-        """Fold a step's time into the measured step costs, by the tokens it carried."""
-        self.planner.costs.observe(sum(len(request.tokens) for _, request in requests), seconds)
+        """Fold a step's time into the measured step costs, by the tokens it carried and the cells
+        they attended (measured before the step's commit moves the lanes on)."""
+        self.planner.costs.observe(sum(len(request.tokens) for _, request in requests), seconds, depth_of(requests))
 
     def _no_room(self, stepped: list[Live]) -> None:
         """The engine found no room for a step its cells seemed to allow (a fragmented cache):
