@@ -26,8 +26,8 @@ the step for a request that goes first: such a request waits for one piece, not 
 The costs are measured, not assumed: the seconds of each step are kept by the tokens it carried,
 in buckets of powers of two, and by the cells those tokens attended (a token late in a long
 context costs more than an early one); a step of n tokens at a depth is predicted from the
-measured steps nearest in size, at that depth (`StepCosts`). A step reads every weight whatever it carries, so a token costs less in a larger step
-(on SmolLM2 on 2 cores with flash attention, 1,800 prompt tokens prefill at 251 tok/s in chunks
+measured steps nearest in size, at that depth (`StepCosts`). A step reads every weight whatever
+it carries, so a token costs less in a larger step (on SmolLM2 on 2 cores with flash attention, 1,800 prompt tokens prefill at 251 tok/s in chunks
 of 512, 166 in chunks of 32 and 150 in chunks of 8): the longer the targets allow a step to be,
 the closer prefill comes to the engine's full speed. Predictions past the largest step measured
 take its cost per token (an overestimate), so budgets grow step by step as larger steps are
@@ -135,9 +135,10 @@ class StepCosts:
     1,800-token prompt and 3.25 ms late, in chunks of 512; a decode token 6.4 ms at a short
     context and 10.8 ms at ~900 cells). Steps are kept in buckets by the log2 of their tokens,
     and in each bucket a token's cost is fitted as a line in the step's depth (the mean cells its
-    tokens attended): a step of n tokens at depth d is predicted from the buckets nearest n, each
-    at d. A bucket whose steps all sat at about one depth borrows the slope of the nearest bucket
-    that has one (else it predicts its average, whatever the depth)."""
+    tokens attended), from its own steps and those of the sizes next to it: a step of n tokens at
+    depth d is predicted from the buckets nearest n, each at d. Where too few steps, or steps all
+    at about one depth, say nothing of a slope, a bucket predicts its recent average whatever the
+    depth (as the cost by token count alone did)."""
 
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}  # by log2 of the tokens carried
@@ -353,9 +354,11 @@ class Planner:
         alone = 0.5 if self.descriptor.packing.chunks_apart else 1.5  # pieces' worth that runs apart
         first, later, opened = [], [], False
         for live, request in requests:
-            # (a piece late in a long prompt attends more cells: fewer of its tokens fit)
-            size = max(MIN_PIECE, self.costs.tokens_within(share, live.kv) or 0)
-            if len(request.tokens) < alone * size or request.logits == "all":  # (rows of every token: not cut)
+            # (a chunk asking for rows of every token is not cut; a piece late in a long prompt
+            # attends more cells, so fewer of its tokens fit)
+            whole = len(request.tokens) < alone * MIN_PIECE or request.logits == "all"
+            size = MIN_PIECE if whole else max(MIN_PIECE, self.costs.tokens_within(share, live.kv) or 0)
+            if whole or len(request.tokens) < alone * size:
                 first.append((live, request))
                 continue
             tokens, end = request.tokens, len(request.tokens)
