@@ -37,31 +37,10 @@ from kvpool.budget import default_disk_budget, default_disk_headroom
 from kvpool.disk_format import DiskHeader
 from kvpool.errors import DataCorrupt, EntryNotFound
 from kvpool.prefix import PrefixIndex, PrefixMatch, prefix_space
+from kvpool.stats import DiskCounters, DiskStats
 from kvpool.tier_folder import open_locked, unlink_quietly
 
 LOG = logging.getLogger("kvpool.disk")
-
-
-class DiskStats(msgspec.Struct, frozen=True):
-    """A snapshot of the tier: where its bytes are and what moved (every byte counted)."""
-
-    folder: str
-    budget_bytes: int
-    bytes_used: int  # every file in the folder: entries, files not yet scanned, unreadable ones
-    entries: int
-    scanning: bool  # the start-up scan is still indexing files
-    unreadable: int  # files of another format version, kept until room is needed (or gc)
-    writes: int = 0
-    bytes_written: int = 0
-    refused: int = 0  # entries not written: not worth their room, or the disk too full
-    write_failures: int = 0  # writes the file system refused (no space, an I/O error)
-    loads: int = 0  # entries read back (hits of this tier)
-    bytes_read: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    erased: int = 0  # entries removed because their owner was deleted
-    corrupt_found: int = 0  # files found torn or damaged, at the scan or on a read (removed)
-    torn_removed: int = 0  # half-written files a crash left, removed at open
 
 
 class DiskEntryInfo(msgspec.Struct, frozen=True):
@@ -107,21 +86,6 @@ class PendingWrite(NamedTuple):
     file_bytes: int
 
 
-@dataclass
-class _Counters:
-    writes: int = 0
-    bytes_written: int = 0
-    refused: int = 0
-    write_failures: int = 0
-    loads: int = 0
-    bytes_read: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    erased: int = 0
-    corrupt_found: int = 0
-    torn_removed: int = 0
-
-
 class DiskTier:
     """One pool's folder of entry files. Thread-safe; the owner of the pool holds it open."""
 
@@ -138,7 +102,7 @@ class DiskTier:
         self._index = PrefixIndex(lambda disk_id: self._records[disk_id].tokens)
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        self._counters = _Counters()
+        self._counters = DiskCounters()
         self._stage = stage
         self._closed = False
         self._lock_fd = open_locked(self.folder)

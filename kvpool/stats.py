@@ -1,4 +1,5 @@
-"""The pool's statistics: counters that only grow, and a snapshot of where the bytes are."""
+"""The statistics of the pool and of its disk tier: counters that only grow, and snapshots of where
+the bytes are."""
 
 from __future__ import annotations
 
@@ -93,3 +94,42 @@ def snapshot(store: "Store", records: Sequence["EntryRecord"], writing: int, byt
         pinned=sum(1 for r in records if r.pins or r.views), bytes_copied=c.bytes_written + c.bytes_read + c.bytes_moved,
         recovered_entries=report.entries, recovered_freed_writing=report.freed_writing,
         recovered_dropped=report.dropped, **c.as_dict())
+
+
+@dataclass
+class DiskCounters:
+    """The disk tier's event counters, updated under its lock (DiskStats says what each counts)."""
+
+    writes: int = 0
+    bytes_written: int = 0
+    refused: int = 0
+    write_failures: int = 0
+    loads: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    erased: int = 0
+    corrupt_found: int = 0
+    torn_removed: int = 0
+
+
+class DiskStats(msgspec.Struct, frozen=True):
+    """A snapshot of the tier: where its bytes are and what moved (every byte counted)."""
+
+    folder: str
+    budget_bytes: int
+    bytes_used: int  # every file in the folder: entries, files not yet scanned, unreadable ones
+    entries: int
+    scanning: bool  # the start-up scan is still indexing files
+    unreadable: int  # files of another format version, kept until room is needed (or gc)
+    writes: int = 0
+    bytes_written: int = 0
+    refused: int = 0  # entries not written: not worth their room, or the disk too full
+    write_failures: int = 0  # writes the file system refused (no space, an I/O error)
+    loads: int = 0  # entries read back (hits of this tier)
+    bytes_read: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    erased: int = 0  # entries removed because their owner was deleted
+    corrupt_found: int = 0  # files found torn or damaged, at the scan or on a read (removed)
+    torn_removed: int = 0  # half-written files a crash left, removed at open

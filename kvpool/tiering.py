@@ -27,11 +27,12 @@ import time
 from collections.abc import Collection
 
 from kvpool import disk_format, layout as layouts
-from kvpool.disk import DiskStats, DiskTier, PendingWrite
+from kvpool.disk import DiskTier, PendingWrite
 from kvpool.entry import EntryInfo, EntryRecord
 from kvpool.errors import EntryNotFound, PoolError
 from kvpool.layout import ArrayLayout
 from kvpool.prefix import PrefixMatch, common_prefix
+from kvpool.stats import DiskStats
 
 # How many entries evicted to the disk tier the pool remembers by their memory id, so that their
 # owner's next park can still supersede them there (older ones are left to the tier's eviction).
