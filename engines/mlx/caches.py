@@ -389,3 +389,18 @@ def _array(arrays, name):
         return arrays[name]
     except KeyError:
         raise StateError(f"pool entry lacks the array {name} its cache values call for") from None
+
+
+# How each stored dtype of the pool is built back as an MLX array (bf16 is stored as its 16-bit pattern).
+MLX_DTYPES = {"<f4": lambda mx: mx.float32, "<f2": lambda mx: mx.float16, "<u2": lambda mx: mx.bfloat16,
+              "<u4": lambda mx: mx.uint32}
+
+
+def fixed_shape(shape, grows: bool) -> tuple[int, ...]:
+    """A stored array's shape with its cell axis (2) blanked out where the cache grows there."""
+    return (*shape[:2], -1, *shape[3:]) if grows else tuple(shape)
+
+
+def stored_dtype(array) -> str:
+    """The pool dtype an MLX array is stored as (bf16 as its 16-bit pattern)."""
+    return {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "uint32": "<u4"}[str(array.dtype).split(".")[-1]]

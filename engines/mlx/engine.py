@@ -120,7 +120,8 @@ class MlxEngine(Adapter):
             raise OptionError(f"mlx: the KV cache cannot be quantized with kv_group_size="
                               f"{self._values['kv_group_size']} ({exc}); pick a group size dividing the head "
                               "dimension, or kv_bits=0") from None
-        signature = {p.name: (_stored_dtype(p.buffer), _fixed_shape(p.buffer.shape, p.live is not None), p.token_axis)
+        signature = {p.name: (caches.stored_dtype(p.buffer), caches.fixed_shape(p.buffer.shape, p.live is not None),
+                              p.token_axis)
                      for index, layer in enumerate(layers) for p in caches.parts(layer, f"{index}.")}
         signature.update({k: v for index, layer in enumerate(layers)
                           for k, v in caches.values(layer, f"{index}.").items() if k.endswith(".class")})
@@ -129,7 +130,8 @@ class MlxEngine(Adapter):
     def _describe(self, path: Path) -> Descriptor:
         versions = f"mlx {importlib.metadata.version('mlx')}, mlx-lm {importlib.metadata.version('mlx-lm')}"
         settings_used = {name: self._values[name] for name in settings.IDENTITY_OPTIONS}
-        settings_used.update(dtype=str(_model_dtype(self._mx, self._model)), config=json.dumps(self._config, sort_keys=True))
+        settings_used.update(dtype=str(settings.model_dtype(self._mx, self._model)),
+                             config=json.dumps(self._config, sort_keys=True))
         weights = identities.file_digest(path) if path.is_file() else identities.tree_digest(path)
         ident = identities.compose(RUNTIME, weights, versions, settings_used)
         bos, eos = vocab.specials(self._tokenizer)  # a GGUF's: llama.cpp's add_bos rule and end-of-generation set
@@ -414,7 +416,7 @@ class MlxEngine(Adapter):
             stored = n if spec.token_axis == 2 else spec.shape[2] if grows else None
             if grows:
                 shape[2] = caches.capacity_for(self._module, plain, spec.name.rsplit(".", 1)[0] + ".", stored)
-            buffers[spec.name] = mx.zeros(shape, _MLX_DTYPES[spec.dtype](mx))
+            buffers[spec.name] = mx.zeros(shape, caches.MLX_DTYPES[spec.dtype](mx))
             destinations[spec.name] = stored
         mx.eval(list(buffers.values()))
         for name, stored in destinations.items():
@@ -437,7 +439,7 @@ class MlxEngine(Adapter):
         for spec in specs:
             dtype, fixed, axis = self._signature.get(spec.name, (None, None, None))
             if spec.name in expected and (spec.dtype != dtype or spec.token_axis != axis
-                                          or _fixed_shape(spec.shape, fixed[2:3] == (-1,)) != fixed):
+                                          or caches.fixed_shape(spec.shape, fixed[2:3] == (-1,)) != fixed):
                 problems.append(spec.name)
         problems += [k for k, v in self._signature.items() if isinstance(v, str) and plain.get(k) != v]
         if problems:
@@ -467,35 +469,3 @@ class MlxEngine(Adapter):
         if self._previous_cache_limit is not None:
             self._mx.set_cache_limit(self._previous_cache_limit)
             self._previous_cache_limit = None
-
-
-_MLX_DTYPES = {"<f4": lambda mx: mx.float32, "<f2": lambda mx: mx.float16, "<u2": lambda mx: mx.bfloat16,
-               "<u4": lambda mx: mx.uint32}
-
-
-def _fixed_shape(shape, grows: bool) -> tuple[int, ...]:
-    """A stored array's shape with its cell axis (2) blanked out where the cache grows there."""
-    return (*shape[:2], -1, *shape[3:]) if grows else tuple(shape)
-
-
-def _stored_dtype(array) -> str:
-    """The pool dtype an MLX array is stored as (bf16 as its 16-bit pattern)."""
-    return {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "uint32": "<u4"}[str(array.dtype).split(".")[-1]]
-
-
-def _model_dtype(mx, model):
-    for _, array in _leaves(model.parameters()):
-        if array.dtype in (mx.float32, mx.float16, mx.bfloat16):
-            return array.dtype
-    return mx.float32
-
-
-def _leaves(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _leaves(value, f"{prefix}{key}.")
-    elif isinstance(tree, (list, tuple)):
-        for index, value in enumerate(tree):
-            yield from _leaves(value, f"{prefix}{index}.")
-    else:
-        yield prefix, tree

@@ -91,3 +91,24 @@ def kv_cells(values: dict[str, Any], cell_price: int, context: int) -> tuple[int
     if most and cells > most:
         return most, f"{sequences}; {memory} would hold {cells:,} (kv_cells=0)"
     return cells, f"what {memory} holds at {cell_price:,} bytes a cell (kv_cells=0)"
+
+
+def model_dtype(mx, model):
+    """The dtype of the model's first floating-point parameter (float32 where it has none): part
+    of the engine's identity, since KV computed at another precision differs."""
+    for _, array in _leaves(model.parameters()):
+        if array.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return array.dtype
+    return mx.float32
+
+
+def _leaves(tree, prefix=""):
+    """(dotted name, array) of every leaf of mlx's nested parameter dicts and lists."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix, tree
