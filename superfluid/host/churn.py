@@ -51,6 +51,37 @@ class Churn:
         if self.preempt_every and tick % self.preempt_every == 0:
             for live in [live for live in kv.lanes if live.job is not None]:
                 kv.preempt(live)
-        problems = kv.problems(sessions)
+        problems = bookkeeping_problems(kv, sessions)
         if problems:
             raise ChurnViolation("; ".join(problems))
+
+
+def bookkeeping_problems(kv: KVManager, sessions: Iterable[Live]) -> list[str]:
+    """What is wrong with the KV manager's bookkeeping of `sessions` (every session the host has), if
+    anything: each lane names a sequence of its own that the engine holds, with exactly the
+    positions the lane says; the engine holds no sequence without a lane; a session without a
+    lane names no sequence, and the entry it holds while swapped out is still in the pool.
+    Empty when all is well (checked after every tick under churn)."""
+    found = []
+    seqs = sorted(live.seq for live in kv.lanes if live.seq is not None)
+    if len(seqs) != len(kv.lanes) or len(set(seqs)) != len(seqs):
+        found.append(f"the lanes name sequences {[live.seq for live in kv.lanes]}: each needs one of its own")
+    if seqs != kv.engine.sequences():
+        found.append(f"the lanes hold sequences {seqs}, the engine {kv.engine.sequences()}")
+    for live in sessions:
+        name = f"session {live.state.id}"
+        if live in kv.lanes:
+            if live.seq in kv.engine.sequences() and kv.engine.length(live.seq) != live.kv:
+                found.append(f"{name}: its lane says {live.kv} positions, sequence {live.seq} holds "
+                             f"{kv.engine.length(live.seq)}")
+            if live.kv > len(live.state.tokens):
+                found.append(f"{name}: {live.kv} positions in its lane, {len(live.state.tokens)} tokens committed")
+            if live.held is not None:
+                found.append(f"{name} has a lane and still holds its swapped-out entry {live.held}")
+        elif live.seq is not None or live.kv:
+            found.append(f"{name} has no lane but names sequence {live.seq} with {live.kv} positions")
+        elif live.held is not None and not kv.in_pool(live.held):
+            found.append(f"{name} holds entry {live.held}, which the pool no longer has")
+    if kv.cells_used() > kv.cells_total:
+        found.append(f"{kv.cells_used()} cells used of {kv.cells_total}")
+    return found

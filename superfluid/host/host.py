@@ -43,7 +43,8 @@ from superfluid.host.messages import as_dicts
 from superfluid.host.chat import TemplateRewrites
 from superfluid.host.prompts import PreparedPrompt, PromptBuilder, appended_pieces
 from superfluid.host.request import Priority, Prompt
-from superfluid.host.scheduler import Policy, Scheduler
+from superfluid.host.policy import Policy
+from superfluid.host.scheduler import Scheduler
 from superfluid.host.session import Session, SessionInfo
 from superfluid.host.stats import Counters, HostStats
 from superfluid.host.tenants import UNNAMED, check_tenant, namespace, salt_digest

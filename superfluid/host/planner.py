@@ -46,7 +46,7 @@ from superfluid.host.request import SHORT_FACTOR, Priority
 
 if TYPE_CHECKING:
     from superfluid.host.lane import Live
-    from superfluid.host.scheduler import Policy
+    from superfluid.host.policy import Policy
 
 # The fewest prompt tokens a step carries for prefill, whatever the targets: prompts always
 # advance, and a chunk that would leave fewer than this behind takes them too (a step for a few

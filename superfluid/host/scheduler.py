@@ -27,14 +27,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from time import perf_counter  # a step's duration (the tests time their fake engine's steps here)
 from typing import Any
 
 from engines.errors import EngineError, Interrupted, NoRoom
 from kvpool import Pool
 from superfluid.host import sampling as sampler
-from superfluid.host.churn import Churn
 from superfluid.host.constraints import ConstraintError, Masks, constrained
 from superfluid.host.errors import ContextFull, GenerationTimeout, Overloaded
 from superfluid.host.handoff import Handoff
@@ -43,38 +41,16 @@ from superfluid.host.kv import KVManager, common_prefix
 from superfluid.host.lane import Job, Live
 from superfluid.host.log import LogWriteFailed, SessionLog
 from superfluid.host.planner import MIN_PREFILL_CHUNK, Planner, depth_of
+from superfluid.host.policy import Policy
 from superfluid.host.session import Generation, Piece
 from superfluid.host.sessions import Sessions
-from superfluid.host.stats import Counters, HostStats, Publisher, tier_stats
+from superfluid.host.stats import Counters, HostStats, Publisher, host_stats
 from superfluid.host.tenants import TenantLoad, tenant_stats
 
 # Short-first with aging: a waiting prompt's place improves by one token for every ten the engine
 # is fed meanwhile, so a long prompt waits behind at most ~10x its length of other work.
 AGING = 0.1
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How the scheduler spends the engine (see Host for each setting's meaning)."""
-
-    prefill_budget: int = 512
-    first_token_target: float | None = 1.0
-    decode_step_target: float | None = 0.5
-    arrival_wait: float | None = None
-    checkpoint_tokens: int = 256
-    publish_tokens: int = 256
-    on_context_full: str = "error"
-    decode_reserve: int = 64
-    idle_park_seconds: float | None = 5.0
-    max_waiting: int | None = None
-    max_wait_seconds: float | None = None
-    watermarks: tuple[float, float] = (0.9, 0.75)
-    max_pinned_fraction: float = 0.5
-    max_sessions: int | None = 1_000_000
-    session_expiry_seconds: float | None = None
-    stream_interval: float = 0.02
-    churn: Churn | None = None  # a test mode: KV moved at every tick on purpose (superfluid/host/churn.py)
 
 
 class Scheduler:
@@ -161,18 +137,7 @@ class Scheduler:
         if expiry is None or now < self._next_expiry_sweep:
             return
         self._next_expiry_sweep = now + max(expiry / 10, 0.1)
-        expired = []
-        for live in [live for live in self.sessions.durable.values()
-                     if live.job is None and not live.pinned and now - live.active_at >= expiry]:
-            try:
-                self.sessions.remove(live)  # logged first: a disk that refuses it leaves the session whole
-            except OSError as exc:
-                LOG.warning("expiring session %r: the session log refused its deletion (%s)", live.state.id, exc)
-                break
-            self.kv.drop(live)
-            expired.append(live)
-            self.counters.expired_sessions += 1
-        self.kv.erase(expired, self.sessions.durable.values())
+        self.counters.expired_sessions += self.sessions.expire_idle(now, expiry)
 
     def end_round(self, closing: bool) -> None:
         """After each round of the thread's loop: publish the statistics where due and tell the
@@ -196,22 +161,9 @@ class Scheduler:
 
     def stats(self) -> HostStats:
         """The statistics now: the counters, the pool, the engine's cells (on this thread)."""
-        pool, engine, c, kv, sessions = self.kv.pool.stats(), self.engine.stats(), self.counters, self.kv, self.sessions
-        # parked: sessions whose state records parked KV, less those whose lane holds it too
-        parked = sessions.parked_count - sum(1 for live in kv.lanes if live.durable and live.state.parked is not None)
-        return HostStats(c.prefill_tokens, c.decode_tokens, c.cached_tokens, c.generations, c.exports, c.imports,
-                         c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied,
-                         pool.bytes_copied, engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries,
-                         len(sessions.durable), len(kv.lanes), len(self.active), waiting=self.waiting(),
-                         parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
-                         cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
-                         cell_price=self.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
-                         interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
-                         yielded_steps=c.yielded_steps,
-                         expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
-                         log_sync_failures=c.log_sync_failures,
-                         tenants=tenant_stats(self.active, kv.lanes, sessions.owned, c.rejected_by_tenant),
-                         tiers=tier_stats(pool, self.kv.pool.disk_stats(), c))
+        tenants = tenant_stats(self.active, self.kv.lanes, self.sessions.owned, self.counters.rejected_by_tenant)
+        return host_stats(self.counters, self.kv, self.sessions, self.engine.stats(), len(self.active), self.waiting(),
+                          tenants)
 
     def announce(self, *, force: bool = False, publish: bool = True) -> None:
         """Publish the statistics where due (`force`: now), then tell the generations that ended."""

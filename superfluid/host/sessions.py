@@ -184,6 +184,23 @@ class Sessions:
         else:
             del self.requests[live.state.id]
 
+    def expire_idle(self, now: float, expiry: float) -> int:
+        """Delete the sessions idle for `expiry` seconds at `now` (never a pinned one, nor one
+        generating), their KV with them; how many. A disk that refuses a deletion leaves that
+        session whole, and the rest for the next look."""
+        expired = []
+        for live in [live for live in self.durable.values()
+                     if live.job is None and not live.pinned and now - live.active_at >= expiry]:
+            try:
+                self.remove(live)  # logged first
+            except OSError as exc:
+                LOG.warning("expiring session %r: the session log refused its deletion (%s)", live.state.id, exc)
+                break
+            self.kv.drop(live)
+            expired.append(live)
+        self.kv.erase(expired, self.durable.values())
+        return len(expired)
+
     def cut_back(self, live: Live, length: int) -> None:
         """Cut `live` back to its first `length` tokens (what a generation that never ran had
         added). A disk that refuses the record leaves the session and its lane as they are, and

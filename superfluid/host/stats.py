@@ -110,9 +110,31 @@ class HostStats(msgspec.Struct, frozen=True):
     tiers: dict[str, TierStats] = {}  # "memory" (the pool), and "disk" where the pool has a disk tier
 
 
+def host_stats(c: Counters, kv: Any, sessions: Any, engine: Any, generating: int, waiting: int,
+               tenants: dict[str, TenantStats]) -> HostStats:
+    """The host's statistics from the scheduler's counters `c`, its KV manager (the lanes, the
+    cells and the pool), its sessions, the engine's statistics (EngineStats), the generations
+    running or waiting and those not started yet, and each tenant's part."""
+    pool = kv.pool.stats()
+    # parked: sessions whose state records parked KV, less those whose lane holds it too
+    parked = sessions.parked_count - sum(1 for live in kv.lanes if live.durable and live.state.parked is not None)
+    return HostStats(c.prefill_tokens, c.decode_tokens, c.cached_tokens, c.generations, c.exports, c.imports,
+                     c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied,
+                     pool.bytes_copied, engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries,
+                     len(sessions.durable), len(kv.lanes), generating, waiting=waiting,
+                     parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
+                     cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
+                     cell_price=kv.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
+                     interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,
+                     yielded_steps=c.yielded_steps,
+                     expired_sessions=c.expired_sessions, log_write_failures=c.log_write_failures,
+                     log_sync_failures=c.log_sync_failures, tenants=tenants,
+                     tiers=tier_stats(pool, kv.pool.disk_stats(), c))
+
+
 def tier_stats(pool: Any, disk: Any, counters: Counters) -> dict[str, TierStats]:
     """Each tier's statistics from the pool's (kvpool.PoolStats), the disk tier's
-    (kvpool.disk.DiskStats, or None without one) and the scheduler's counters."""
+    (kvpool.stats.DiskStats, or None without one) and the scheduler's counters."""
     tiers = {"memory": TierStats(counters.memory_hits, counters.memory_misses, pool.evictions, pool.bytes_read,
                                  pool.bytes_written, pool.bytes_used, pool.budget_bytes, pool.entries)}
     if disk is not None:

@@ -9,7 +9,7 @@ import pytest
 from superfluid.host import session as session_module
 from superfluid.host.handoff import Handoff
 from superfluid.host.host import _policy
-from superfluid.host.scheduler import Policy
+from superfluid.host.policy import Policy
 from superfluid.host.session import Generation, Piece
 from tests.gate import WAIT_SECONDS, Gate, decode_steps_of
 

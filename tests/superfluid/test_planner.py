@@ -8,7 +8,7 @@ import pytest
 from engines.base import StepRequest
 from superfluid.host.planner import (COST_RANGE, MIN_PIECE, MIN_PREFILL_CHUNK, MIN_SLOPE_STEPS, RECENT_ARRIVALS,
                                      Planner, StepCosts, depth_of, prefill_budget, step_seconds)
-from superfluid.host.scheduler import Policy
+from superfluid.host.policy import Policy
 
 
 def affine(tokens: int) -> float:
