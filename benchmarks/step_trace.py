@@ -1,13 +1,15 @@
 """Where a traffic shape's time goes inside `superfluid serve`: every step and every forward timed.
 
-    .venv/bin/python benchmarks/step_trace.py [--alone] [--targets FIRST DECODE] [--salt N] [--peer] [--trace PATH]
+    .venv/bin/python benchmarks/step_trace.py [--alone | --conversations] [--targets FIRST DECODE] [--salt N]
+                                              [--peer] [--trace PATH]
 
 Starts serve as traffic.py does (llama.cpp, the default model, disk tier off) through this file,
 which wraps the command: it times each step of the scheduler and each llama_decode call of the
 engine into a trace file (one line each, a few microseconds). Then it sends traffic.py's
 documents-beside-chats shape (3 documents of ~1,800 tokens sent together, a streamed one-line
-chat every second) or, with --alone, the documents alone, and prints where the documents' wall
-time went: the documents' prompt chunks (forwards of 64 tokens or more), the small forwards
+chat every second), or with --alone the documents alone, or with --conversations traffic.py's
+conversations shape (24 conversations of 3 turns through 4 clients), and prints where the
+shape's wall time went: the documents' prompt chunks (forwards of 64 tokens or more), the small forwards
 beside them (decode tokens, short prompts), the steps that only feed short prompts or only
 decode, the steps stopped or planned again for an arrival (their work thrown away), and how
 well the planner's step costs predicted each step before it ran (predicted over measured).
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == WRAP:
         return _serve_traced(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alone", action="store_true", help="the documents without the chats")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--alone", action="store_true", help="the documents without the chats")
+    shape.add_argument("--conversations", action="store_true", help="traffic.py's conversations shape instead")
     parser.add_argument("--targets", nargs=2, type=float, metavar=("FIRST", "DECODE"),
                         help="serve's two targets, in seconds (default: serve's)")
     parser.add_argument("--salt", type=int, default=30, help="another number sends other texts (default: 30)")
@@ -162,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             traffic.chat(served, [{"role": "user", "content": "Hello."}], 4)  # one-time costs
             began = time.monotonic()
-            if args.alone:
-                documents = documents_alone(served, sizes, args.salt)
-                print(f"{served.label}: the documents alone done in {documents:.1f} s")
+            if args.conversations:
+                run = Run("step-trace")
+                traffic.conversations(run, served, sizes)
+                wall = run.figures[f"{served.label}: {traffic.label_conversations(sizes)}"].samples[0]
+                print(f"{served.label}: the conversations done in {wall:.1f} s")
+            elif args.alone:
+                wall = documents_alone(served, sizes, args.salt)
+                print(f"{served.label}: the documents alone done in {wall:.1f} s")
             else:
                 run = Run("step-trace")
                 traffic.documents_beside_chats(run, served, sizes, salt=args.salt)
-                documents = run.figures[f"{served.label}: {traffic.label_documents(sizes)}"].samples[0]
+                wall = run.figures[f"{served.label}: {traffic.label_documents(sizes)}"].samples[0]
                 chats = run.figures[f"{served.label}: {traffic.CHATS}"].samples
-                print(f"{served.label}: the documents beside chats done in {documents:.1f} s; the chats' first "
+                print(f"{served.label}: the documents beside chats done in {wall:.1f} s; the chats' first "
                       f"token p50 {traffic.percentile(chats, 50):.2f} s, p95 {traffic.percentile(chats, 95):.2f} s")
             if not args.peer:
                 time.sleep(0.1)  # the last step's line is written after its readers were woken
-                summarise(trace_path, began, began + documents)
+                summarise(trace_path, began, began + wall)
         finally:
             served.stop()
     return 0

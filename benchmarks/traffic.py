@@ -21,7 +21,9 @@ field, greedy, each reply exactly `reply` tokens long (`ignore_eos`, which both 
    Wall time until the last reply.
 4. documents beside chats: `documents` requests on ~`long`-token documents sent together, and a
    one-line chat every `chat_every` s while they run (at least `chats` of them). Wall time until
-   the documents are done; each chat's time to first token (p50, p95).
+   the documents are done; each chat's time to first token (p50, p95); noted, when each
+   document was done and how many chats were answered whole by then (the chats' work a server
+   did inside the documents' time).
 5. agents on a shared preamble: `agents` agents of `steps` steps each, every one on the same
    ~`preamble`-token system prompt plus its own task; each step sends the history with the last
    reply and a short tool result. Wall time until the last agent's last reply.
@@ -165,6 +167,7 @@ def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes
     cache holds them from an earlier round)."""
     start = time.perf_counter()
     waits: list[float] = []
+    answered: list[float] = []  # when each chat's whole reply was read, from the start
 
     def document(d: int) -> float:
         chat(served, document_messages(sizes, salt, d), sizes.reply)
@@ -175,6 +178,7 @@ def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes
                     {"role": "user", "content": f"Say hello to {text_of(3, salt=1000 * salt + c)}."}]
         waits.append(servers.first_text_seconds(served.client, served.model, messages, 8, temperature=0.0,
                                                 extra_body=served.exact(8)))
+        answered.append(time.perf_counter() - start)
 
     with ThreadPoolExecutor(sizes.documents) as long_ones:
         pending = [long_ones.submit(document, d) for d in range(sizes.documents)]
@@ -191,6 +195,11 @@ def documents_beside_chats(run: Run, served: servers.Served, sizes: TrafficSizes
         raise RuntimeError(f"{served.label}: {len(chatting) - len(waits)} of {len(chatting)} chats failed")
     run.record(f"{served.label}: {CHATS}", sorted(waits))
     run.note(f"{served.label}: chats beside the documents", len(waits))
+    # What else the server did by the documents' end: a server that answers the chats meanwhile
+    # does their work inside the documents' time, one that leaves them waiting does it after.
+    run.note(f"{served.label}: chats answered whole before the documents were done",
+             sum(1 for moment in answered if moment <= max(finished)))
+    run.note(f"{served.label}: each document done at (s)", " ".join(f"{moment:.1f}" for moment in sorted(finished)))
 
 
 def label_documents(sizes: TrafficSizes) -> str:
