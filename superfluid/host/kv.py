@@ -19,9 +19,8 @@ managed resource and the pool is their swap space:
   freed; in a unified cache (where every forward reads every used cell) an idle lane is parked
   as soon as another lane is generating.
 
-How a lane starts from a fork or a pool entry is restore.py's. Everything here runs on the
-scheduler thread (a request's read from the disk tier on its caller's thread is warming.py's,
-which touches only the pool).
+Everything here runs on the scheduler thread (a request's read from the disk tier on its caller's
+thread is warming.py's, which touches only the pool).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engines.errors import EngineError
-from kvpool import Pool, PoolError, PrefixMatch
-from superfluid.host import restore, transfer
+from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
+from superfluid.host import transfer
 from superfluid.host.errors import PinLimit, SuperfluidError
 from superfluid.host.lane import Live, Span
 from superfluid.host.request import SHORT_FACTOR, Priority
@@ -137,9 +136,9 @@ class KVManager:
                 # a memory that cannot be cut back is forked only where it ends at the prefix
                 if common > held and self.memory.can_cut_restored(other.kv, common):
                     lane, held = other, common
-        return Source(lane, held, self.pool_match(live))
+        return Source(lane, held, self._pool_match(live))
 
-    def pool_match(self, live: Live) -> PrefixMatch | None:
+    def _pool_match(self, live: Live) -> PrefixMatch | None:
         """The pool's longest match (memory or disk) for `live`'s tokens but the last, of its namespace."""
         want = len(live.state.tokens) - 1
         serves = None if self.memory.kind == "kv" else self.memory.can_cut_restored
@@ -171,10 +170,10 @@ class KVManager:
         if source.lane is not None and source.lane.seq is None:
             source = self.source(live)  # the lane it would fork was parked to make room
         try:
-            restore.restore(self, live, source)
+            self._restore(live, source)
         except EngineError:
             if live.seq is not None:
-                self.close_lane(live)
+                self._close(live)
             raise
         live.job.admitted = live.last_used = self.order()
         live.job.reserved_to = len(live.state.tokens) + self.reserve_for(live)
@@ -246,9 +245,104 @@ class KVManager:
         running = [other for other in self.lanes if other.job is not None and other not in exclude]
         return max(running, key=self.unimportance, default=None)
 
+    # ----------------------------------------------------------------------------- restoring
+
+    def _restore(self, live: Live, source: Source) -> None:
+        """Give `live` a sequence holding the prefix `source` offers: a fork of a live lane when
+        it holds at least as much as the pool, else the pool entry imported (one copy)."""
+        if source.forks:
+            self._open(live, self.engine.fork(source.lane.seq), source.lane.kv, source.lane)
+            if live.kv > source.lane_tokens:
+                try:
+                    self.truncate(live, source.lane_tokens)
+                except EngineError:  # a cache that cannot be cut back: start from the pool or nothing
+                    self._close(live)
+        if live.seq is None:
+            self._open(live, self.engine.new_sequence(), 0)
+            match = source.match if source.pool_tokens > 0 else None
+            if match is not None and not match.on_disk and not self._import(live, match.entry_id, match.tokens):
+                # gone since it was found (evicted by a park that made room for this lane, or by
+                # a read from disk on another thread): once more, from wherever it is now
+                again = self._pool_match(live)
+                if again is not None and (again.on_disk or again.entry_id != match.entry_id):
+                    match = again
+                    if not again.on_disk:
+                        self._import(live, again.entry_id, again.tokens)
+            self._count_tiers(live, match)
+            if match is not None and match.on_disk:
+                self._import_from_disk(live, match.entry_id, match.tokens)
+            if match is not None:
+                # The pool holds what came in, so only what follows it is unexported: counted
+                # from the session's start, a request resumed from a long cached prefix would be
+                # checkpointed (its whole KV copied out again) at its first token.
+                live.since_park = len(live.state.tokens) - live.kv
+        live.warmed = None
+        self.release_held(live)
+
+    def _count_tiers(self, live: Live, match: PrefixMatch | None) -> None:
+        """Count where a lane that does not fork found its prefix (`match`): memory, disk (read in
+        by the scheduler, or for it on its caller's thread: warming.py), or neither."""
+        on_disk = match is not None and match.on_disk
+        if match is not None and not on_disk and live.warmed is not None and match.entry_id == live.warmed:
+            self.counters.memory_misses += 1  # (a disk match's id is the tier's, never compared with memory's)
+            self.counters.disk_hits += 1
+            return
+        if match is not None and not on_disk:
+            self.counters.memory_hits += 1
+            return
+        self.counters.memory_misses += 1
+        if not on_disk and self.pool.disk is not None:
+            self.counters.disk_misses += 1  # (a disk hit is counted once its entry is read: _import_from_disk)
+
+    def _import_from_disk(self, live: Live, disk_id: int, keep: int) -> None:
+        """Read disk entry `disk_id` into the pool (one copy, verified), then import it as any
+        entry: two copies from disk to engine. A file found damaged or gone, or no room in
+        memory, leaves the lane empty (its tokens are prefilled)."""
+        try:
+            loaded = self.pool.load(disk_id, self.descriptor.identity)
+        except PoolError:  # DataCorrupt (the file is removed), gone, or another identity's
+            loaded = None
+        if loaded is None:
+            self.counters.import_failures += 1
+            self.counters.disk_misses += 1
+            return
+        self.counters.disk_hits += 1
+        try:
+            self._import(live, loaded.id, keep)
+        finally:
+            self.pool.release(loaded.id)  # cached in memory now, evictable as any entry
+
+    def _import(self, live: Live, entry: int, keep: int) -> bool:
+        """Import pool entry `entry` into `live`'s new, empty lane and cut it to `keep` tokens. When
+        the entry is corrupt, gone or refused, or cannot be cut to `keep`, the lane is left empty
+        (its tokens are prefilled). False where the pool could not give it (corrupt, gone, refused)."""
+        try:
+            with self.pool.get(entry, verify=False) as view:
+                restored = transfer.import_(self.engine, live.seq, view)
+        except (DataCorrupt, PoolError, EngineError) as exc:
+            self.counters.import_failures += 1
+            if isinstance(exc, DataCorrupt):
+                self.release_held(live)  # its own reference must not keep a corrupt entry alive
+                try:
+                    self.pool.evict(entry)  # nobody should start from it again
+                except PoolError:
+                    pass  # held elsewhere: the pool counts it corrupt, its holders will find out
+            return False
+        self.counters.imports += 1
+        live.kv = restored
+        live.started_from = entry
+        if restored > keep:
+            try:
+                self.engine.truncate(live.seq, keep)
+                live.kv = keep
+            except EngineError:  # a cache that cannot be cut back (a wrapped ring, recurrent state)
+                self._close(live)
+                self._open(live, self.engine.new_sequence(), 0)
+        return True
+
     # ----------------------------------------------------------------------------- lanes
 
-    def open_lane(self, live: Live, seq: int, kv: int, parent: Live | None = None) -> None:
+    def _open(self, live: Live, seq: int, kv: int, parent: Live | None = None) -> None:
         """`live` holds sequence `seq` with `kv` positions: borrowed from `parent` where forks
         share cells, else cells of its own."""
         if live not in self.lanes:
@@ -260,8 +354,7 @@ class KVManager:
         else:
             live.borrowed, live.own = [], Span(next(self._groups), 0, 0)
 
-    def close_lane(self, live: Live) -> None:
-        """Free `live`'s sequence: it holds no lane, and its KV is wherever it was parked (if anywhere)."""
+    def _close(self, live: Live) -> None:
         self.engine.free_sequence(live.seq)
         self.lanes.remove(live)
         live.seq, live.kv, live.borrowed = None, 0, []
@@ -271,7 +364,7 @@ class KVManager:
         forks copy, the cells) are free, else the parent's parked KV by reference."""
         cells = 0 if self.unified else parent.kv
         if parent.seq is not None and len(self.lanes) < self.max_sequences and self.cells_free() >= cells:
-            self.open_lane(child, self.engine.fork(parent.seq), parent.kv, parent)
+            self._open(child, self.engine.fork(parent.seq), parent.kv, parent)
         elif parent.state.parked is not None:  # the same parked KV: nothing copied, nothing referenced
             self.sessions.parked(child, *parent.state.parked)
 
@@ -292,12 +385,12 @@ class KVManager:
         try:
             self.truncate(live, tokens)
         except EngineError:
-            self.close_lane(live)
+            self._close(live)
 
     def drop(self, live: Live) -> None:
         """Free `live`'s lane and everything it holds in the pool (a deleted session)."""
         if live.seq is not None:
-            self.close_lane(live)
+            self._close(live)
         self.release_held(live)
         self.unpin(live)
 
@@ -320,7 +413,7 @@ class KVManager:
             try:
                 self.truncate(live, min(held, len(live.state.tokens) - 1))
             except EngineError:
-                self.close_lane(live)
+                self._close(live)
         else:
             live.kv = held
 
@@ -369,7 +462,7 @@ class KVManager:
             self.pool.share(live.entry)
             live.held = live.entry
         if not keep_lane and live.seq is not None:
-            self.close_lane(live)
+            self._close(live)
 
     def preempt(self, live: Live) -> None:
         """Swap a running lane out: its KV parked and held, its generation waiting to resume."""

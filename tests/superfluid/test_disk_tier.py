@@ -345,7 +345,7 @@ def test_closing_waits_for_a_read_from_disk_on_a_callers_thread(open_host, monke
 def test_a_lane_whose_memory_match_is_evicted_before_its_import_starts_from_the_disk_copy(open_host, monkeypatch):
     # Between the lookup and the import, a park making room (or another thread's read from disk)
     # may evict the entry found in memory: the lane looks once more and finds its file.
-    from superfluid.host import restore
+    from superfluid.host.kv import KVManager
     from superfluid.host.request import GenerateRequest, Prompt
 
     host = open_host()
@@ -353,7 +353,7 @@ def test_a_lane_whose_memory_match_is_evicted_before_its_import_starts_from_the_
     _, first = host.call(host.commands.start_request, host.prepare(Prompt(text=prompt)), GenerateRequest(max_tokens=2))
     first.collect()
     assert host.pool.wait_spilled(60)
-    imported = restore.import_entry
+    imported = KVManager._import
     evicted = []
 
     def evicted_first(kv, live, entry, keep):
@@ -362,7 +362,7 @@ def test_a_lane_whose_memory_match_is_evicted_before_its_import_starts_from_the_
             kv.pool.shed(0)  # memory lets it go just now: only the file is left
         return imported(kv, live, entry, keep)
 
-    monkeypatch.setattr(restore, "import_entry", evicted_first)
+    monkeypatch.setattr(KVManager, "_import", evicted_first)
     prepared = host.prepare(Prompt(text=prompt + " Again."))
     assert prepared.warmed is None  # memory held it as the request was prepared
     _, generation = host.call(host.commands.start_request, prepared, GenerateRequest(max_tokens=2))
