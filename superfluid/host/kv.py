@@ -18,6 +18,9 @@ managed resource and the pool is their swap space:
 - **Idle KV leaves the engine.** A lane idle for `idle_park_seconds` is parked and its cells
   freed; in a unified cache (where every forward reads every used cell) an idle lane is parked
   as soon as another lane is generating.
+- **Stranded lanes move down.** In llama.cpp's unified cache a decoding lane whose cells were
+  placed high (past a burst's, since ended) is parked and imported straight back, into the lowest
+  free cells (seats.py says when that pays).
 
 Everything here runs on the scheduler thread (a request's read from the disk tier on its caller's
 thread is warming.py's, which touches only the pool).
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engines.errors import EngineError
 from kvpool import DataCorrupt, Pool, PoolError, PrefixMatch
-from superfluid.host import transfer
+from superfluid.host import seats, transfer
 from superfluid.host.errors import PinLimit, SuperfluidError
 from superfluid.host.lane import Live, Span
 from superfluid.host.request import SHORT_FACTOR, Priority
@@ -177,6 +180,7 @@ class KVManager:
             raise
         live.job.admitted = live.last_used = self.order()
         live.job.reserved_to = len(live.state.tokens) + self.reserve_for(live)
+        live.seat_mark = self.cells_used()
         return True
 
     def _make_room(self, live: Live, cells: int, keep: Live | None, uncached: int) -> bool:
@@ -365,6 +369,7 @@ class KVManager:
         cells = 0 if self.unified else parent.kv
         if parent.seq is not None and len(self.lanes) < self.max_sequences and self.cells_free() >= cells:
             self._open(child, self.engine.fork(parent.seq), parent.kv, parent)
+            child.seat_mark = parent.seat_mark
         elif parent.state.parked is not None:  # the same parked KV: nothing copied, nothing referenced
             self.sessions.parked(child, *parent.state.parked)
 
@@ -468,6 +473,37 @@ class KVManager:
         """Swap a running lane out: its KV parked and held, its generation waiting to resume."""
         self.park(live, keep_lane=False, hold=True)
         self.counters.preemptions += 1
+
+    def placed(self, lanes: list[Live]) -> None:
+        """After a step fed `lanes` (all or part of it): where their new cells may lie (seats.py)."""
+        if self.unified and self.memory.kind == "kv":
+            seats.mark_placed(lanes, self.cells_used())
+
+    def reseat_stranded(self) -> int:
+        """Move the decoding lanes stranded high in llama.cpp's unified cache (seats.py) down to
+        its lowest free cells; how many moved. Nothing to do elsewhere."""
+        if not (self.unified and self.memory.kind == "kv"):
+            return 0
+        return sum(self.reseat(live) for live in seats.stranded(self.lanes, self.cells_used()))
+
+    def reseat(self, live: Live) -> bool:
+        """Park running `live` (one copy out) and import it straight back into a new sequence (one
+        copy in), which llama.cpp places in the lowest free run of cells. False where the pool
+        refused the copy (the lane stays as it was) or the engine the import (the lane is then
+        swapped out, its entry held, and resumes by admission as a preempted lane does)."""
+        self.park(live, keep_lane=True, hold=True)
+        entry, kv = live.held, live.kv
+        if entry is None:
+            return False
+        self._close(live)
+        self._open(live, self.engine.new_sequence(), 0)
+        if not self._import(live, entry, kv) or live.kv != kv:
+            self._close(live)
+            return False
+        self.release_held(live)
+        live.seat_mark = self.cells_used()
+        self.counters.reseats += 1
+        return True
 
     def park_least_recent_idle(self, exclude: set | frozenset = frozenset()) -> bool:
         """Park the least recently used idle lane; False when there is none."""

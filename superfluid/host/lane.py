@@ -82,6 +82,10 @@ class Live:
     warmed: int | None = None  # a pool entry read in from disk for it off the scheduler thread (a disk hit if used)
     borrowed: list[Span] = field(default_factory=list)  # spans shared with other lanes (a fork's prefix)
     own: Span = Span(0, 0, 0)  # the span this lane writes: [own.start, kv) in cells of group own.group
+    # The most cells in use when this lane last took new ones (a step that fed it, its import): in
+    # llama.cpp's unified cache its cells lie about that far up at most, and a forward reads every
+    # cell up to the highest in use (kv.py, `KVManager.reseat_stranded`).
+    seat_mark: int = 0
 
     @property
     def entry(self) -> int | None:

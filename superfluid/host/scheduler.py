@@ -228,6 +228,8 @@ class Scheduler:
         """End, park, admit, step, sample, commit, stream, checkpoint, sync."""
         now = self.clock()
         self._end_cancelled_and_late(now)
+        if all(live.seq is not None for live in self.active):  # (moving a lane must not hand its seat to another)
+            self.kv.reseat_stranded()
         self._admit()  # first: a waiting generation may fork an idle lane
         self.kv.park_idle(now, generating=any(live.job is not None for live in self.kv.lanes))
         self.expire_idle_sessions()
@@ -406,10 +408,12 @@ class Scheduler:
                 # llama.cpp keeps the ubatches it finished: prompt tokens only (resync cuts a
                 # decode token kept without its logits back, to be fed again)
                 self._count_fed(live, live.kv - held, decode=False)
+            self.kv.placed([live for live, _ in requests if live.seq is not None])
             return False
         finally:
             self.arrivals.end(self.engine)
         self._measure(requests, perf_counter() - began)
+        self.kv.placed([live for live, _ in requests])
         # The step's records go to the log in one write, and only then do readers hear of its
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []

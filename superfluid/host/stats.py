@@ -36,6 +36,7 @@ class Counters:
     disk_misses: int = 0  # found in neither tier, with a disk tier
     preemptions: int = 0  # running generations swapped out to the pool to make room
     idle_parks: int = 0  # idle lanes parked to free the engine's cells
+    reseats: int = 0  # running lanes moved down llama.cpp's cache once the cells below them were freed
     rejected: int = 0  # generations refused as Overloaded (the wait queue full, or waited too long)
     interrupted_steps: int = 0  # steps stopped part-way for a request that went first
     interrupted_seconds: float = 0.0  # and how long they had run (the work thrown away, at most)
@@ -94,6 +95,7 @@ class HostStats(msgspec.Struct, frozen=True):
     waiting: int = 0  # generations not started yet
     parked_sessions: int = 0  # sessions whose KV is in the pool, not in the engine
     idle_parks: int = 0
+    reseats: int = 0  # running lanes moved down the engine's cache (parked and imported straight back)
     rejected: int = 0
     cells_total: int = 0  # KV cells the engine holds, all sequences together
     cells_used: int = 0
@@ -122,7 +124,7 @@ def host_stats(c: Counters, kv: Any, sessions: Any, engine: Any, generating: int
                      c.import_failures, c.export_failures, c.preemptions, pool.bytes_copied + engine.bytes_copied,
                      pool.bytes_copied, engine.bytes_copied, pool.evictions, pool.bytes_used, pool.entries,
                      len(sessions.durable), len(kv.lanes), generating, waiting=waiting,
-                     parked_sessions=parked, idle_parks=c.idle_parks, rejected=c.rejected,
+                     parked_sessions=parked, idle_parks=c.idle_parks, reseats=c.reseats, rejected=c.rejected,
                      cells_total=kv.cells_total, cells_used=kv.cells_used(), cells_reserved=kv.cells_reserved(),
                      cell_price=kv.descriptor.cell_price, pool_budget_bytes=pool.budget_bytes,
                      interrupted_steps=c.interrupted_steps, interrupted_seconds=c.interrupted_seconds,

@@ -45,6 +45,8 @@ HOST_SERIES = (
     ("preemptions", "counter", "Running generations swapped out to the pool to make room.", "preemptions"),
     ("kv_bytes_copied", "counter", "KV bytes copied (pool and engine).", "bytes_copied"),
     ("idle_parks", "counter", "Idle lanes parked into the pool to free engine cells.", "idle_parks"),
+    ("reseats", "counter", "Running lanes moved down the engine's cache once the cells below them were freed.",
+     "reseats"),
     ("exports", "counter", "KV exports into the pool (parks, swaps out, checkpoints).", "exports"),
     ("imports", "counter", "KV imports from the pool (resumes, swaps in, shared prefixes).", "imports"),
     ("interrupted_steps", "counter", "Steps stopped part-way for a request that went first.", "interrupted_steps"),
