@@ -482,7 +482,8 @@ class KVManager:
     def reseat_stranded(self) -> int:
         """Move the decoding lanes stranded high in llama.cpp's unified cache (seats.py) down to
         its lowest free cells; how many moved. Nothing to do elsewhere."""
-        if not (self.unified and self.memory.kind == "kv"):
+        if not (self.unified and self.memory.kind == "kv") or all(
+                live.seat_mark < seats.STRANDED_CELLS for live in self.lanes):  # (most ticks: no cells counted)
             return 0
         return sum(self.reseat(live) for live in seats.stranded(self.lanes, self.cells_used()))
 
@@ -494,6 +495,7 @@ class KVManager:
         self.park(live, keep_lane=True, hold=True)
         entry, kv = live.held, live.kv
         if entry is None:
+            live.seat_mark = self.cells_used()  # not tried again at every tick: once it takes cells high again
             return False
         self._close(live)
         self._open(live, self.engine.new_sequence(), 0)

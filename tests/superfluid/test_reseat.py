@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from engines.errors import NoRoom
+from kvpool import PoolError
 from superfluid.host import seats, transfer
 from superfluid.host.lane import Span
 from superfluid.host.request import GenerateRequest
@@ -110,6 +111,26 @@ def test_a_move_the_engine_refuses_becomes_a_swap_and_the_reply_goes_on_exactly(
     assert stats.reseats == 0 and len(imports) == 2 and stats.import_failures == 1
     assert stats.prefill_tokens == 40 + BURST * BURST_PROMPT
     monkeypatch.setattr(transfer, "import_", real)
+    assert tokens == alone(open_host, tmp_path)
+
+
+@pytest.mark.parametrize("runtime", ["llamacpp"])
+def test_a_move_the_pool_refuses_leaves_the_lane_where_it_is_and_is_not_retried_every_step(open_host, runtime,
+                                                                                            tmp_path, monkeypatch):
+    gate = Gate(decode_steps_of(lanes=1, count=3))
+    host = open_host(gate=gate, llamacpp_n_ctx=16384)
+    exports = []
+
+    def pool_full(*args, **kwargs):  # every export refused, as by a pool with no room left
+        exports.append(1)
+        raise PoolError("the pool has no room for this entry (refused by the test)")
+
+    monkeypatch.setattr(transfer, "export", pool_full)
+    tokens, _ = reply_through_a_burst(host, gate)
+    stats = host.stats()
+    assert stats.reseats == 0 and stats.export_failures == len(exports)
+    assert len(exports) < 20  # the burst's parks and one try of the move, not one a step of the reply's 600
+    monkeypatch.undo()
     assert tokens == alone(open_host, tmp_path)
 
 
