@@ -8,7 +8,8 @@ reply's stay where they were placed, and every later forward reads the cache up 
 cell in use. Serve moves such a lane to the cache's start (parked and imported straight back);
 llama-server leaves it. The figure: the reply's tokens/s over the `measured` tokens after the
 burst's last answer, against the same server's rate over the same positions of the same reply
-sent alone, on an idle server (so the context each token attends is the same in both).
+sent alone, on the server started afresh (so the context each token attends is the same in both,
+and nothing else is in its cache).
 
 The servers, one at a time on the same GGUF, 2 threads and flash attention on, each started
 afresh in each of `passes` passes (the order reversed every other pass): ours with serve's
@@ -119,6 +120,7 @@ def through_a_burst(run: Run, served: servers.Served, sizes: BurstSizes, salt: i
         thread.join()
     if len(answered) != sizes.burst:
         reply.stop_after = 0
+        reply._thread.join()
         raise RuntimeError(f"{sizes.burst - len(answered)} of the burst's {sizes.burst} requests failed")
     first = len(reply.stamps)  # the reply's position when the burst was over
     reply.stop_after = first + sizes.measured + 1
@@ -128,6 +130,12 @@ def through_a_burst(run: Run, served: servers.Served, sizes: BurstSizes, salt: i
                            f"above {sizes.reply} (the burst took longer than the reply lasts on this machine)")
     run.record(f"{served.label}: {AFTER}", [reply.rate(first, first + sizes.measured)], unit="tok/s")
     run.note(f"{served.label}: the reply's tokens before the burst was over", first)
+    if served.label == servers.OURS:
+        run.note(f"{servers.OURS}: lanes moved down the cache",
+                 int(served.metrics("superfluid_reseats")["superfluid_reseats_total"]))
+    # Alone on a fresh process: llama-server's idle slots keep the burst's cells (its prompt cache),
+    # which its every forward would read; serve's request lanes leave the engine as they end.
+    served.restart()
     alone = Reply(served, salt, sizes.reply)
     alone.stop_after = first + sizes.measured + 1
     alone.join()
@@ -155,9 +163,6 @@ def bench(run: Run, model: Path, sizes: BurstSizes, tick: Callable[[str], None])
                         through_a_burst(this, served, sizes, salt=7000 + 100 * number)
                     except Exception as exc:  # noqa: BLE001 - a server failing the shape is a finding
                         this.note(f"{served.label}: FAILED", f"{type(exc).__name__}: {exc}"[:300])
-                    if served.label == servers.OURS:
-                        this.note(f"{servers.OURS}: lanes moved down the cache",
-                                  int(served.metrics("superfluid_reseats")["superfluid_reseats_total"]))
                     tick(f"pass {number + 1}/{sizes.passes}: {served.label}")
                 finally:
                     served.stop()

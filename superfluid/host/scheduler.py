@@ -402,18 +402,20 @@ class Scheduler:
             self.counters.interrupted_seconds += now - began
             self.arrivals.stopped(now, now - began)
             self.planner.step_dropped()
+            grown = []
             for live, _ in requests:
                 held = live.kv
                 self.kv.resync(live)
                 # llama.cpp keeps the ubatches it finished: prompt tokens only (resync cuts a
                 # decode token kept without its logits back, to be fed again)
                 self._count_fed(live, live.kv - held, decode=False)
-            self.kv.placed([live for live, _ in requests if live.seq is not None])
+                if live.seq is not None and live.kv > held:
+                    grown.append(live)
+            self.kv.placed(grown)
             return False
         finally:
             self.arrivals.end(self.engine)
         self._measure(requests, perf_counter() - began)
-        self.kv.placed([live for live, _ in requests])
         # The step's records go to the log in one write, and only then do readers hear of its
         # tokens: a write that fails hands out nothing (the failure reaches every reader instead).
         self._outbox = []
@@ -426,6 +428,7 @@ class Scheduler:
                 outbox = self._write_failed(failed, requests)
         finally:
             self._outbox = None
+        self.kv.placed([live for live, _ in requests if live.seq is not None])  # (the step's cells counted)
         self.handoff.step(outbox)  # each reader's loop woken once for the whole step, if at all
         return True
 

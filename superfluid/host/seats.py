@@ -14,7 +14,10 @@ for the rest of its life.
 
 llama.cpp does not say where a sequence's cells are, so the host keeps a bound: each lane's
 `seat_mark`, the most cells in use when it last took new ones (its cells lie about that high at
-most, since freed cells are filled from the lowest). A lane is *stranded* when the cells in use
+most, since freed cells are filled from the lowest). The bound can be loose (a lane whose cells
+went into low holes, or one below a lane that cannot move), and then a move gains nothing; each
+move needs as many cells taken and freed again, so moves stay rare: one a burst prompt at most
+for a reply decoding through a burst fed one prompt after another. A lane is *stranded* when the cells in use
 have fallen far below its mark: moving it (parked into the pool and imported straight back, two
 copies of its KV, which llama.cpp places in the lowest free run of cells) costs about as much as
 a few tokens of the reads it saves (a copy of a cell ~5-10 us against ~0.4 us a freed cell a
@@ -26,6 +29,7 @@ and a window or recurrent memory holds its state elsewhere.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -51,14 +55,17 @@ def mark_placed(lanes: Iterable[Live], cells_used: int) -> None:
 
 def stranded(lanes: Iterable[Live], cells_used: int) -> list[Live]:
     """The decoding lanes worth moving down the cache now that `cells_used` cells are in use: far
-    below their marks, holding only cells of their own (a fork's shared prefix stays where its
-    parent wrote it), with many tokens still to decode."""
+    below their marks, holding no cells another lane holds too (a fork's shared prefix stays where
+    it was written: moving one holder would copy it, and the others keep it high), with many
+    tokens still to decode."""
     lanes = list(lanes)
-    shared = {span.group for live in lanes for span in live.borrowed}
+    holders = Counter(group for live in lanes for group in {live.own.group, *(s.group for s in live.borrowed)})
     found = []
     for live in lanes:
         job = live.job
-        if job is None or live.seq is None or live.pending != 1 or live.borrowed or live.own.group in shared:
+        if job is None or live.seq is None or live.pending != 1:
+            continue
+        if holders[live.own.group] > 1 or any(holders[span.group] > 1 for span in live.borrowed):
             continue
         if job.request.max_tokens - job.produced < STRANDED_TOKENS:
             continue

@@ -73,9 +73,11 @@ def test_a_reply_decoding_through_a_burst_moves_to_the_cache_start_once_the_burs
     stats = host.stats()
     placements = [(int(m.group(1)), int(m.group(2))) for record in caplog.records
                   if record.name == "llama.cpp" and (m := FIND_SLOT.search(record.getMessage()))]
-    assert stats.reseats == 1 and all(len(g.tokens) == 2 for g in burst)
-    # during the burst the reply's decode tokens went past a burst prompt's cells (fed one at a time) ...
-    assert max(n for n, _ in placements) > BURST_PROMPT
+    # (one move after each burst prompt that freed enough cells below the reply: one or more)
+    assert stats.reseats >= 1 and all(len(g.tokens) == 2 for g in burst)
+    # the reply's decode tokens went past a burst prompt's cells, and forwards read far more than
+    # the cells in use once that prompt's were freed ...
+    assert any(n - used > seats.STRANDED_CELLS for n, used in placements)
     # ... and after the move every forward read only the cells in use: the reply's, from the start
     last = placements[-(REPLY // 2):]
     assert all(n == used for n, used in last), last[:5]
@@ -107,8 +109,9 @@ def test_a_move_the_engine_refuses_becomes_a_swap_and_the_reply_goes_on_exactly(
     monkeypatch.setattr(transfer, "import_", refuse_the_move)
     tokens, _ = reply_through_a_burst(host, gate)
     stats = host.stats()
-    # the lane waited with its parked KV held and was imported by admission: nothing prefilled again
-    assert stats.reseats == 0 and len(imports) == 2 and stats.import_failures == 1
+    # the lane waited with its parked KV held and was imported by admission (nothing prefilled
+    # again); each later move imported it once more
+    assert stats.import_failures == 1 and len(imports) == 2 + stats.reseats
     assert stats.prefill_tokens == 40 + BURST * BURST_PROMPT
     monkeypatch.setattr(transfer, "import_", real)
     assert tokens == alone(open_host, tmp_path)
@@ -121,15 +124,16 @@ def test_a_move_the_pool_refuses_leaves_the_lane_where_it_is_and_is_not_retried_
     host = open_host(gate=gate, llamacpp_n_ctx=16384)
     exports = []
 
-    def pool_full(*args, **kwargs):  # every export refused, as by a pool with no room left
-        exports.append(1)
+    def pool_full(engine, pool, seq, tokens, **kwargs):  # every export refused, as by a pool with no room left
+        exports.append(len(tokens))
         raise PoolError("the pool has no room for this entry (refused by the test)")
 
     monkeypatch.setattr(transfer, "export", pool_full)
     tokens, _ = reply_through_a_burst(host, gate)
     stats = host.stats()
     assert stats.reseats == 0 and stats.export_failures == len(exports)
-    assert len(exports) < 20  # the burst's parks and one try of the move, not one a step of the reply's 600
+    assert any(count < BURST_PROMPT for count in exports)  # the reply's move was tried (the burst's are longer) ...
+    assert len(exports) < 20  # ... once or twice, beside the burst's parks: not at every step of its 600
     monkeypatch.undo()
     assert tokens == alone(open_host, tmp_path)
 
@@ -151,6 +155,9 @@ def test_only_decoding_lanes_far_below_their_mark_with_work_left_are_stranded():
     assert seats.stranded([lane(far + 500, 500, pending=300)], 500) == []  # still prefilling
     parent, child = lane(far + 500, 500, group=1), lane(far + 500, 600, group=2, borrowed=[Span(1, 0, 500)])
     assert seats.stranded([parent, child], 500) == []  # cells a fork shares stay where they were written
+    # ... but once nobody else holds them (the parent ended, or a cut turned its own cells into a
+    # span it borrows from itself), the lane moves with them
+    assert seats.stranded([child], 500) == [child]
     idle = lane(far + 500, 500)
     idle.job = None
     assert seats.stranded([idle], 500) == []  # an idle lane is parked instead
