@@ -87,6 +87,8 @@ class KVManager:
         self.descriptor = engine.describe()
         self.cells_total = self.descriptor.kv_cells or self.descriptor.context_length
         self.unified = self.descriptor.unified_cells
+        # where lanes' cells lie matters: llama.cpp's one cache of plain KV (seats.py)
+        self.seats_tracked = self.unified and self.descriptor.memory.kind == "kv"
         self.memory = self.descriptor.memory  # what can be cut back, and so where checkpoints are needed
         self.max_sequences = self.descriptor.packing.max_sequences
         self.decode_reserve, self.idle_park_seconds = decode_reserve, idle_park_seconds
@@ -476,13 +478,13 @@ class KVManager:
 
     def placed(self, lanes: list[Live]) -> None:
         """After a step fed `lanes` (all or part of it): where their new cells may lie (seats.py)."""
-        if self.unified and self.memory.kind == "kv":
+        if self.seats_tracked:
             seats.mark_placed(lanes, self.cells_used())
 
     def reseat_stranded(self) -> int:
         """Move the decoding lanes stranded high in llama.cpp's unified cache (seats.py) down to
         its lowest free cells; how many moved. Nothing to do elsewhere."""
-        if not (self.unified and self.memory.kind == "kv") or all(
+        if not self.seats_tracked or all(
                 live.seat_mark < seats.STRANDED_CELLS for live in self.lanes):  # (most ticks: no cells counted)
             return 0
         return sum(self.reseat(live) for live in seats.stranded(self.lanes, self.cells_used()))

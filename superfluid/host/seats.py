@@ -14,14 +14,15 @@ for the rest of its life.
 
 llama.cpp does not say where a sequence's cells are, so the host keeps a bound: each lane's
 `seat_mark`, the most cells in use when it last took new ones (its cells lie about that high at
-most, since freed cells are filled from the lowest). The bound can be loose (a lane whose cells
-went into low holes, or one below a lane that cannot move), and then a move gains nothing; each
-move needs as many cells taken and freed again, so moves stay rare: one a burst prompt at most
-for a reply decoding through a burst fed one prompt after another. A lane is *stranded* when the cells in use
-have fallen far below its mark: moving it (parked into the pool and imported straight back, two
-copies of its KV, which llama.cpp places in the lowest free run of cells) costs about as much as
-a few tokens of the reads it saves (a copy of a cell ~5-10 us against ~0.4 us a freed cell a
-row), so it is done for lanes with many tokens still to decode.
+most, since freed cells are filled from the lowest). A lane is *stranded* when the cells in use
+have fallen far below its mark; moving it (parked into the pool and imported straight back, two
+copies of its KV, which llama.cpp places in the lowest free run of cells) costs in proportion to
+the cells it holds, and saves reads of the freed cells at every later token, so it is done for
+lanes with many tokens still to decode (measured over HTTP: such a reply after a burst kept
+0.96-1.06 of its idle speed with the move, 0.76-0.96 without). The bound can be loose (a lane
+whose cells went into low holes, or one below a lane that cannot move), and then a move gains
+nothing; each move needs as many cells taken and freed again first, so moves stay rare: one a
+burst prompt at most for a reply decoding through a burst fed one prompt after another.
 
 Only llama.cpp's unified cache of plain KV is concerned: MLX keeps each sequence's cache apart,
 and a window or recurrent memory holds its state elsewhere.
